@@ -1,0 +1,293 @@
+"""DFlash proposer for vLLM's V1 model runners (GPU and CPU).
+
+Per step, for the whole batch:
+  1. KV injection: the target's features of every token it just ran -> each draft layer's
+     context K/V, written into the drafter's paged KV cache at the target's slots. Rejected
+     positions are written too (no host sync on acceptance); they sit past the valid context
+     and are overwritten when the target recomputes those positions.
+  2. Draft: one block `[anchor, MASK x K]` per request at positions `ctx_len .. ctx_len+K`,
+     where ctx_len = seq_len - rejected; block queries attend to the paged context plus their
+     own block (draft attention kernel), the target's lm_head gives K greedy draft tokens.
+The drafter's KV cache pages are owned by vLLM's KV cache manager through `DraftKVLayer`s
+registered in the forward context, so they are allocated, freed, preempted and prefix-cached
+with the request like any attention layer's.
+"""
+
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImplBase,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+from vllm_dflash import plugin
+from vllm_dflash.checkpoint import load_drafter
+from vllm_dflash.config import DFlashConfig, DFlashConfigError, validate_against_target
+from vllm_dflash.kernels.draft_attention import draft_attention
+from vllm_dflash.kernels.kv_injection import kv_injection
+from vllm_dflash.layers import rope_cos_sin_cache
+
+logger = logging.getLogger("vllm_dflash")
+
+
+@dataclass
+class DraftBatch:
+    """Where each request's block sits: what the paged draft attention needs."""
+
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    context_lens: torch.Tensor  # [B] int32: valid context tokens = anchor position
+    query_start_loc: torch.Tensor  # [B+1] int32: B blocks of block_len queries
+
+
+class DraftKVLayer(torch.nn.Module, AttentionLayerBase):
+    """Declares one draft layer's context KV cache to vLLM; vLLM binds `kv_cache` to it.
+
+    Its logical shape is vLLM's `[num_blocks, num_kv_heads, block_size, 2 * head_dim]`
+    (K then V on the last dim), which every vllm-dflash kernel reads and writes.
+    """
+
+    is_draft_layer = True
+
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_dim
+        self.dtype = dtype
+        self.kv_cache = torch.tensor([])
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return DraftKVBackend
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        return FullAttentionSpec(
+            block_size=vllm_config.cache_config.block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            dtype=self.dtype,
+        )
+
+
+class DraftKVMetadataBuilder(AttentionMetadataBuilder[None]):
+    """The draft layers take their metadata from the proposer, not from the target's step."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:  # noqa: ANN001
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> None:
+        return None
+
+
+class DraftKVBackend(AttentionBackend):
+    """A KV-cache-only backend: vLLM allocates and binds pages, vllm-dflash kernels use them."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    forward_includes_kv_cache_update = False
+
+    @staticmethod
+    def get_name() -> str:
+        return "VLLM_DFLASH_DRAFT_KV"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImplBase]:
+        raise NotImplementedError("draft layers run vllm-dflash's draft attention kernel")
+
+    @staticmethod
+    def get_builder_cls() -> type[DraftKVMetadataBuilder]:
+        return DraftKVMetadataBuilder
+
+
+def load_validated_config(vllm_config: VllmConfig) -> DFlashConfig:
+    """Parse the drafter's config and check it against the target before any weight loads."""
+    spec = vllm_config.speculative_config
+    target = vllm_config.model_config
+    cfg = DFlashConfig.from_pretrained(spec.draft_model_config.model)
+    validate_against_target(
+        cfg,
+        target_hidden_size=target.get_hidden_size(),
+        target_num_layers=target.hf_text_config.num_hidden_layers,
+        target_vocab_size=target.get_vocab_size(),
+        num_speculative_tokens=spec.num_speculative_tokens,
+        dtype=target.dtype,
+    )
+    if spec.draft_sample_method != "greedy":
+        raise DFlashConfigError(
+            f"draft_sample_method={spec.draft_sample_method!r}: vllm-dflash proposes greedy "
+            "drafts; remove draft_sample_method from --speculative-config (sampling requests "
+            "stay exactly distribution-preserving with greedy drafts)."
+        )
+    return cfg
+
+
+class DFlashProposer(SpecDecodeBaseProposer):
+    """vllm-dflash's proposer; the runner builds it for `method: "dflash"`."""
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, runner: Any = None) -> None:
+        self.dflash_config = load_validated_config(vllm_config)
+        # vLLM's runner reads the aux-hidden-state layers from dflash_config.target_layer_ids;
+        # fill in the defaults so it captures exactly the layers this drafter was trained on.
+        hf_config = vllm_config.speculative_config.draft_model_config.hf_config
+        hf_config.dflash_config = {
+            **(getattr(hf_config, "dflash_config", None) or {}),
+            "target_layer_ids": list(self.dflash_config.target_layer_ids),
+        }
+        super().__init__(vllm_config, device, pass_hidden_states_to_model=True, runner=runner)
+        self.block_len = self.num_speculative_tokens + 1
+        num_target_layers = vllm_config.model_config.hf_text_config.num_hidden_layers
+        # Names carry one integer past the target's layers, as vLLM's layer indexing expects.
+        self.kv_layer_names = [
+            f"vllm_dflash.layers.{num_target_layers + i}"
+            for i in range(self.dflash_config.num_layers)
+        ]
+        self.kv_layers: list[DraftKVLayer] = []
+        plugin.use_dflash_verification()
+        logger.info(
+            "vllm-dflash: implementation=vllm-dflash (vllm_dflash.proposer.DFlashProposer), "
+            "runner=%s, block_size=%d, num_speculative_tokens=%d, draft layers=%d",
+            plugin.runner_name(runner) if runner is not None else "none",
+            self.dflash_config.block_size,
+            self.num_speculative_tokens,
+            self.dflash_config.num_layers,
+        )
+
+    # ---- set-up -------------------------------------------------------------------------
+
+    def load_model(self, target_model: torch.nn.Module) -> None:
+        cfg = self.dflash_config
+        self.drafter = load_drafter(
+            self.draft_model_config.model, dtype=self.dtype, device=self.device
+        ).eval()
+        self.target = target_model
+        self.kv_weight = self.drafter.kv_weight()
+        self.k_norm_weight = self.drafter.k_norm_weight()
+        self.cos_sin_cache = rope_cos_sin_cache(
+            cfg.head_dim, self.max_model_len + self.block_len, cfg.rope_theta, self.device
+        )
+        self.mask_ids = torch.full(
+            (self.max_batch_size, self.block_len), cfg.mask_token_id,
+            dtype=torch.int32, device=self.device,
+        )
+        self.block_offsets = torch.arange(self.block_len, dtype=torch.int32, device=self.device)
+        forward_context = self.vllm_config.compilation_config.static_forward_context
+        for name in self.kv_layer_names:
+            if name in forward_context:
+                raise ValueError(f"duplicate layer name {name} in vLLM's forward context")
+            layer = DraftKVLayer(cfg.num_kv_heads, cfg.head_dim, self.dtype)
+            forward_context[name] = layer
+            self.kv_layers.append(layer)
+
+    def initialize_attn_backend(
+        self, kv_cache_config: KVCacheConfig, kernel_block_sizes: list[int] | None = None
+    ) -> None:
+        groups = {
+            gid for gid, group in enumerate(kv_cache_config.kv_cache_groups)
+            for name in group.layer_names if name in self.kv_layer_names
+        }
+        if len(groups) != 1:
+            raise ValueError(
+                f"vllm-dflash draft layers landed in KV cache groups {sorted(groups)}; "
+                "they must share one group"
+            )
+        self.kv_cache_gid = groups.pop()
+        self.block_size = kv_cache_config.kv_cache_groups[self.kv_cache_gid].kv_cache_spec.block_size
+
+    # ---- per step -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        num_speculative_tokens: int,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata: CommonAttentionMetadata,
+        sampling_metadata: Any,
+        mm_embed_inputs: Any = None,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,
+        slot_mappings: Any = None,
+    ) -> torch.Tensor:
+        cad = common_attn_metadata
+        num_tokens = target_positions.shape[0]
+        self.inject_context(
+            target_hidden_states[:num_tokens], target_positions, cad.slot_mapping[:num_tokens]
+        )
+        context_lens = cad.seq_lens
+        if num_rejected_tokens_gpu is not None:
+            context_lens = context_lens - num_rejected_tokens_gpu
+        batch = DraftBatch(
+            block_table=cad.block_table_tensor,
+            context_lens=context_lens.to(torch.int32),
+            query_start_loc=self.arange[: cad.batch_size() + 1] * self.block_len,
+        )
+        return self.draft(next_token_ids, batch)
+
+    def inject_context(
+        self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        ctx = self.drafter.fuse(features.to(self.dtype))
+        kv_injection(
+            ctx, positions, slot_mapping, self.kv_weight, self.k_norm_weight,
+            self.dflash_config.rms_norm_eps, self.cos_sin_cache,
+            [layer.kv_cache for layer in self.kv_layers],
+        )
+
+    def draft(self, anchor_ids: torch.Tensor, batch: DraftBatch) -> torch.Tensor:
+        """[B] anchors -> [B, K] greedy draft tokens."""
+        num_reqs = anchor_ids.shape[0]
+        block_ids = self.mask_ids[:num_reqs].clone()
+        block_ids[:, 0] = anchor_ids
+        positions = (batch.context_lens[:, None] + self.block_offsets).flatten().long()
+        embeds = self.target.embed_input_ids(block_ids.flatten())
+        embeds = embeds * self.dflash_config.input_embedding_scale
+        hidden = self.drafter(embeds.to(self.dtype), positions, self.paged_attend(batch))
+        hidden = hidden.view(num_reqs, self.block_len, -1)[:, 1:].flatten(0, 1)
+        # Greedy drafts: output_multiplier and softcapping are monotonic, so the argmax of the
+        # target's logits is the drafter's argmax.
+        logits = self.target.compute_logits(hidden)
+        return logits.argmax(dim=-1).view(num_reqs, self.num_speculative_tokens)
+
+    def paged_attend(self, batch: DraftBatch):  # noqa: ANN201
+        cfg = self.dflash_config
+        scale = cfg.head_dim**-0.5
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return draft_attention(
+                q, k, v, self.kv_layers[layer].kv_cache, batch.block_table,
+                batch.context_lens, batch.query_start_loc, scale,
+                causal=cfg.layer_is_causal(layer), sliding_window=cfg.layer_window(layer),
+            )
+
+        return attend
+
+    @torch.inference_mode()
+    def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True,
+                  is_graph_capturing: bool = False, slot_mappings: Any = None) -> None:
+        """Profile-time run at the largest shapes; writes no cache (pages may not exist yet)."""
+        cfg = self.dflash_config
+        features = self.hidden_states.new_zeros(
+            num_tokens, len(cfg.target_layer_ids) * cfg.hidden_size
+        )
+        ctx = self.drafter.fuse(features)
+        torch.nn.functional.linear(ctx, self.kv_weight)
+        num_reqs = max(1, min(self.max_batch_size, num_tokens // self.block_len))
+        batch = DraftBatch(
+            block_table=torch.zeros(num_reqs, 1, dtype=torch.int32, device=self.device),
+            context_lens=torch.zeros(num_reqs, dtype=torch.int32, device=self.device),
+            query_start_loc=self.arange[: num_reqs + 1] * self.block_len,
+        )
+        anchors = torch.zeros(num_reqs, dtype=torch.int32, device=self.device)
+        self.draft(anchors, batch)
