@@ -1,0 +1,79 @@
+"""Load and save DFlash drafters in the z-lab format: config.json + *.safetensors, no key prefix."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from vllm_dflash.config import DFlashConfig, DFlashConfigError, resolve_dtype
+from vllm_dflash.model import DFlashDrafter
+
+# Served from the target model; some checkpoints still carry copies, which are ignored.
+SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
+SHAPE_FIX = (
+    "fix: make config.json match the weights (hidden_size, intermediate_size, num_hidden_layers, "
+    "num_attention_heads, num_key_value_heads, head_dim, target_layer_ids) or re-save the "
+    "drafter with save_drafter"
+)
+
+
+def load_drafter(
+    path: str | Path,
+    dtype: str | torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> DFlashDrafter:
+    """Build a drafter from a checkpoint dir; dtype None keeps the checkpoint's (fp32/fp16/bf16)."""
+    path = Path(path)
+    cfg = DFlashConfig.from_pretrained(path)
+    state = _read_weights(path)
+    # Meta device: no time spent on a random init that the checkpoint overwrites.
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg)
+    _check_weights(drafter, state, path)
+    dtype = resolve_dtype(dtype if dtype is not None else state["fc.weight"].dtype)
+    state = {key: value.to(device=device, dtype=dtype) for key, value in state.items()}
+    drafter.load_state_dict(state, assign=True)
+    return drafter
+
+
+def save_drafter(drafter: DFlashDrafter, path: str | Path) -> None:
+    """Write config.json + model.safetensors, loadable by load_drafter, vLLM and the reference."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {key: value.detach().cpu().contiguous() for key, value in drafter.state_dict().items()}
+    config = drafter.cfg.to_dict()
+    config["dtype"] = str(drafter.fc.weight.dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DFlashConfigError(
+            f"no *.safetensors files in {str(path)!r}; fix: put the drafter weights next to "
+            "config.json"
+        )
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(file))
+    return {key: value for key, value in state.items() if not key.startswith(SHARED_PREFIXES)}
+
+
+def _check_weights(drafter: DFlashDrafter, state: dict[str, torch.Tensor], path: Path) -> None:
+    expected = {key: list(value.shape) for key, value in drafter.state_dict().items()}
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise DFlashConfigError(
+            f"{str(path)!r} has unexpected weights {unexpected[:5]} ({len(unexpected)} in all), "
+            "expected only the DFlash drafter keys (fc, hidden_norm, norm, layers.N.*); "
+            "fix: use a plain DFlashDraftModel checkpoint with unprefixed keys"
+        )
+    for key, shape in expected.items():
+        found = list(state[key].shape) if key in state else "missing"
+        if found != shape:
+            raise DFlashConfigError(
+                f"weight {key}: expected shape {shape} from config.json, found {found}; "
+                + SHAPE_FIX
+            )

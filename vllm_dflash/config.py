@@ -1,0 +1,295 @@
+"""DFlash drafter config: parse and write z-lab `config.json`, check a drafter against its target."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Head sizes vLLM's CPU attention backend accepts.
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class DFlashConfigError(ValueError):
+    """A drafter config or checkpoint that cannot work; the message names the field and the fix."""
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map 'bf16' / 'bfloat16' / torch.bfloat16 (and fp16, fp32 alike) to a torch dtype."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise DFlashConfigError(
+        f"dtype {dtype!r} is not supported (supported: float32, float16, bfloat16); "
+        "fix: pass one of those"
+    )
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """Target layers the published drafters read when config.json does not list them."""
+    if num_features == 1:
+        return [num_target_layers // 2]
+    # Spread evenly over [1, T-3]: skips the embedding-like first and the last layers.
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int
+    layer_types: list[str]
+    sliding_window: int | None
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    causal: bool | None = None
+    attention_bias: bool = False
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise DFlashConfigError(
+                f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
+                f"{self.num_kv_heads}; fix: use a head count divisible by the KV head count"
+            )
+        if len(self.layer_types) != self.num_layers or set(self.layer_types) - set(LAYER_TYPES):
+            raise DFlashConfigError(
+                f"layer_types {self.layer_types} must list {self.num_layers} entries "
+                f"(num_hidden_layers) from {LAYER_TYPES}; fix: correct layer_types"
+            )
+        if self.block_size < 2:
+            raise DFlashConfigError(
+                f"block_size {self.block_size} leaves no draft tokens (need >= 2); "
+                "fix: set dflash_config.block_size to the block size the drafter was trained with"
+            )
+        if not self.target_layer_ids:
+            raise DFlashConfigError(
+                "dflash_config.target_layer_ids is empty; fix: list the target layers whose "
+                "outputs the drafter reads"
+            )
+
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    def layer_is_causal(self, i: int) -> bool:
+        # Same rule as the reference: an explicit causal flag applies to every layer;
+        # otherwise sliding layers are causal and full layers see the whole block.
+        if self.causal is not None:
+            return self.causal
+        return self.layer_types[i] == "sliding_attention"
+
+    def layer_window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
+        dc = d.get("dflash_config")
+        if not isinstance(dc, dict):
+            raise DFlashConfigError(
+                "config.json has no dflash_config section, so this is not a DFlash drafter; "
+                "fix: point at a DFlash checkpoint (dflash_config {mask_token_id, "
+                "target_layer_ids})"
+            )
+        num_layers = _required(d, "num_hidden_layers")
+        num_target_layers = _required(d, "num_target_layers", dc)
+        # Mirror transformers' Qwen3Config, which the reference and vLLM both read through:
+        # the window only counts with use_sliding_window, and absent layer_types derive from it.
+        window = d.get("sliding_window") if d.get("use_sliding_window") else None
+        layer_types = d.get("layer_types") or [
+            "sliding_attention"
+            if window is not None and i >= d.get("max_window_layers", 28)
+            else "full_attention"
+            for i in range(num_layers)
+        ]
+        softcap = _draft(d, dc, "final_logit_softcapping")
+        return cls(
+            hidden_size=_required(d, "hidden_size"),
+            intermediate_size=_required(d, "intermediate_size"),
+            num_layers=num_layers,
+            num_heads=_required(d, "num_attention_heads"),
+            num_kv_heads=d.get("num_key_value_heads") or _required(d, "num_attention_heads"),
+            head_dim=_required(d, "head_dim"),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(d),
+            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+            vocab_size=_required(d, "vocab_size"),
+            layer_types=list(layer_types),
+            sliding_window=window,
+            block_size=int(_draft(d, dc, "block_size", 16)),
+            mask_token_id=_required(d, "mask_token_id", dc),
+            target_layer_ids=list(
+                _draft(d, dc, "target_layer_ids")
+                or default_target_layer_ids(num_target_layers, num_layers)
+            ),
+            num_target_layers=num_target_layers,
+            # vLLM's precedence: top-level is_causal, then dflash_config.causal.
+            causal=d.get("is_causal", dc.get("causal")),
+            attention_bias=bool(d.get("attention_bias", False)),
+            output_multiplier=float(_draft(d, dc, "output_multiplier", 1.0)),
+            final_logit_softcapping=float(softcap) if softcap and softcap > 0 else None,
+            input_embedding_scale=float(_draft(d, dc, "input_embedding_scale", 1.0)),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "DFlashConfig":
+        path = Path(path)
+        if not path.is_dir():
+            raise DFlashConfigError(
+                f"drafter directory {str(path)!r} does not exist; "
+                "fix: pass the directory holding config.json and *.safetensors"
+            )
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise DFlashConfigError(
+                f"no config.json in {str(path)!r}; fix: pass a DFlash checkpoint directory "
+                "(config.json + *.safetensors)"
+            )
+        return cls.from_dict(json.loads(config_file.read_text()))
+
+    def to_dict(self) -> dict[str, Any]:
+        """z-lab config.json, loadable by vLLM's in-tree DFlash and the reference package."""
+        dflash_config: dict[str, Any] = {
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+            "block_size": self.block_size,
+            "output_multiplier": self.output_multiplier,
+            "final_logit_softcapping": self.final_logit_softcapping,
+            "input_embedding_scale": self.input_embedding_scale,
+        }
+        causal: dict[str, Any] = {}
+        if self.causal is not None:
+            dflash_config["causal"] = self.causal
+            causal["is_causal"] = self.causal  # the reference reads only the top-level flag
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "layer_types": list(self.layer_types),
+            "use_sliding_window": self.sliding_window is not None,
+            "sliding_window": self.sliding_window,
+            "attention_bias": self.attention_bias,
+            "tie_word_embeddings": False,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": dflash_config,
+            **causal,
+        }
+
+
+def _required(d: dict[str, Any], key: str, dflash_config: dict[str, Any] | None = None) -> Any:
+    value = _draft(d, dflash_config or {}, key)
+    if value is None:
+        name = key if dflash_config is None else f"dflash_config.{key}"
+        raise DFlashConfigError(
+            f"config.json is missing {name}; fix: add {name} to config.json "
+            "(every DFlash drafter config has it)"
+        )
+    return value
+
+
+def _draft(d: dict[str, Any], dflash_config: dict[str, Any], key: str, default: Any = None) -> Any:
+    # Newer checkpoints move keys into dflash_config; there they win over the top level.
+    return dflash_config.get(key, d.get(key, default))
+
+
+def _rope_theta(d: dict[str, Any]) -> float:
+    field = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+    params = d.get(field) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise DFlashConfigError(
+            f"{field}.rope_type is {rope_type!r} but only 'default' RoPE is supported; "
+            f"fix: use a drafter with plain RoPE ({field}.rope_type 'default')"
+        )
+    return float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+
+
+def validate_against_target(
+    cfg: DFlashConfig,
+    *,
+    target_hidden_size: int,
+    target_num_layers: int,
+    target_vocab_size: int,
+    num_speculative_tokens: int | None = None,
+    fc_in_features: int | None = None,
+    dtype: str | torch.dtype | None = None,
+) -> None:
+    """Raise DFlashConfigError (field, both values, fix) if the drafter cannot serve the target."""
+    fc_expected = cfg.num_features * target_hidden_size
+    fc_found = fc_in_features if fc_in_features is not None else cfg.num_features * cfg.hidden_size
+    if fc_found != fc_expected:
+        raise DFlashConfigError(
+            f"fc.weight input width is {fc_found} but len(target_layer_ids) "
+            f"({cfg.num_features}) x target hidden_size ({target_hidden_size}) = {fc_expected}; "
+            "fix: use a drafter trained for this target model"
+        )
+    for layer_id in cfg.target_layer_ids:
+        # T-1 is excluded: HF and vLLM disagree on whether the last feature is final-normed.
+        if not 0 <= layer_id < target_num_layers - 1:
+            raise DFlashConfigError(
+                f"dflash_config.target_layer_ids has {layer_id}, outside [0, "
+                f"{target_num_layers - 1}) for a target with {target_num_layers} layers; "
+                "fix: use a drafter made for this target, or ids in that range"
+            )
+    if not 0 <= cfg.mask_token_id < target_vocab_size:
+        raise DFlashConfigError(
+            f"dflash_config.mask_token_id {cfg.mask_token_id} is outside the target vocabulary "
+            f"[0, {target_vocab_size}); fix: set mask_token_id to a token id of the target "
+            "tokenizer (e.g. its <|mask|> token)"
+        )
+    if cfg.vocab_size != target_vocab_size:
+        raise DFlashConfigError(
+            f"vocab_size is {cfg.vocab_size} in the drafter but {target_vocab_size} in the "
+            "target; fix: use a drafter built for this target's tokenizer"
+        )
+    max_tokens = cfg.block_size - 1
+    if num_speculative_tokens is not None and not 1 <= num_speculative_tokens <= max_tokens:
+        raise DFlashConfigError(
+            f"num_speculative_tokens is {num_speculative_tokens} but must be in [1, {max_tokens}] "
+            f"(block_size {cfg.block_size} - 1); fix: set num_speculative_tokens to {max_tokens} "
+            "or fewer"
+        )
+    if cfg.head_dim not in SUPPORTED_HEAD_DIMS:
+        raise DFlashConfigError(
+            f"head_dim is {cfg.head_dim}, not one of {SUPPORTED_HEAD_DIMS} that vLLM's CPU "
+            "attention supports; fix: use a drafter with a supported head_dim"
+        )
+    if dtype is not None:
+        resolve_dtype(dtype)
