@@ -1,0 +1,314 @@
+"""Tests for vllm_dflash.kernels.verify: exactness (greedy), losslessness (chi-square), seeds,
+Triton == reference (TRITON_INTERPRET=1, in a subprocess), and the vLLM adapter."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_dflash.kernels.verify import (
+    draw_randoms,
+    rejection_walk_reference,
+    rejection_walk_triton,
+    sampling_probs,
+    verify,
+    verify_reference,
+    verify_triton,
+    vllm_rejection_sample,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+NUM_SAMPLES = 100_000
+# Chi-square critical values at p = 0.001, by degrees of freedom (used without scipy).
+CHI2_CRITICAL_0_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 30: 59.703}
+
+
+def _cu(counts: list[int]) -> torch.Tensor:
+    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
+def _critical(df: int) -> float:
+    try:
+        from scipy.stats import chi2
+    except ImportError:
+        return CHI2_CRITICAL_0_001[df]
+    return float(chi2.ppf(0.999, df))
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Statistic and degrees of freedom of observed counts [..., V] against probs [..., V]
+    (one independent goodness-of-fit test per leading index, summed). Categories with zero
+    probability must never be observed."""
+    probs = probs.reshape(-1, probs.shape[-1])
+    counts = counts.reshape(probs.shape).double()
+    assert counts[probs == 0].sum() == 0, "a token of probability zero was emitted"
+    expected = counts.sum(dim=1, keepdim=True) * probs.double()
+    support = probs > 0
+    stat = ((counts - expected)[support] ** 2 / expected[support]).sum().item()
+    return stat, int(support.sum().item()) - counts.shape[0]
+
+
+def _assert_distribution(tokens: torch.Tensor, probs: torch.Tensor) -> None:
+    stat, df = _chi_square(torch.bincount(tokens, minlength=probs.shape[-1]), probs)
+    assert stat < _critical(df), f"chi-square {stat:.1f} >= critical at p=0.001 (df {df})"
+
+
+def _sample(probs: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.multinomial(probs, n, replacement=True, generator=generator)
+
+
+# --------------------------------------------------------------------------- greedy
+
+
+def test_greedy_is_plain_argmax_decoding() -> None:
+    torch.manual_seed(0)
+    vocab = 10
+    counts = [3, 0, 4, 1, 2, 4, 0, 2]
+    matching = [1, 0, 4, 0, 2, 2, 0, 2]  # drafts agreeing with the argmax before the first miss
+    target_probs = torch.randn(sum(counts), vocab).softmax(dim=-1)
+    argmax = target_probs.argmax(dim=-1)
+    bonus = torch.arange(len(counts)) + 100
+    drafts, expected, row = [], [], 0
+    for n, k in zip(counts, matching):
+        rows = argmax[row : row + n].tolist()
+        wrong = [(a + 1) % vocab for a in rows]
+        drafts += rows[:k] + wrong[k:]
+        expected.append(rows[: k + 1] if k < n else rows + [bonus[len(expected)].item()])
+        row += n
+    drafts[-1] = -1  # vLLM's padding id where the argmax was: rejected, corrected to it
+    expected[-1] = expected[-1][:2]
+    max_spec_len = max(counts)
+    expected_out = torch.full((len(counts), max_spec_len + 1), -1, dtype=torch.int32)
+    for b, tokens in enumerate(expected):
+        expected_out[b, : len(tokens)] = torch.tensor(tokens)
+
+    is_greedy = torch.ones(len(counts), dtype=torch.bool)
+    for generators in ({}, {0: torch.Generator().manual_seed(1)}):
+        out = verify_reference(torch.tensor(drafts), _cu(counts), max_spec_len, None, target_probs,
+                               bonus, is_greedy, generators)
+        assert torch.equal(out, expected_out)
+    assert torch.equal(verify(torch.tensor(drafts), _cu(counts), max_spec_len, None, target_probs,
+                              bonus, is_greedy, {}), expected_out)
+
+
+# --------------------------------------------------------------------------- losslessness
+
+
+def _first_token_batch(p: torch.Tensor, q: torch.Tensor, probabilistic: bool):
+    """B = NUM_SAMPLES single-draft requests with target p, drafts sampled from q."""
+    gen = torch.Generator().manual_seed(1234)
+    drafts = _sample(q, NUM_SAMPLES, gen)
+    target = p.expand(NUM_SAMPLES, -1).contiguous()
+    draft_probs = q.expand(NUM_SAMPLES, -1).contiguous() if probabilistic else None
+    torch.manual_seed(5678)
+    out = verify_reference(drafts, torch.arange(1, NUM_SAMPLES + 1, dtype=torch.int32), 1,
+                           draft_probs, target, torch.full((NUM_SAMPLES,), -7),
+                           torch.zeros(NUM_SAMPLES, dtype=torch.bool), {})
+    return drafts, out
+
+
+P = torch.tensor([0.10, 0.30, 0.10, 0.20, 0.20, 0.10])
+Q = torch.tensor([0.50, 0.30, 0.20, 0.00, 0.00, 0.00])
+
+
+@pytest.mark.parametrize("probabilistic", [False, True], ids=["one-hot", "draft-probs"])
+def test_first_token_follows_target(probabilistic: bool) -> None:
+    drafts, out = _first_token_batch(P, Q, probabilistic)
+    _assert_distribution(out[:, 0].long(), P)
+    stat, df = _chi_square(torch.bincount(drafts[drafts < 3], minlength=6), P)
+    assert stat > 100 * _critical(df), "the test cannot tell the draft distribution from p"
+    assert ((out[:, 1] == -7) == (out[:, 0] == drafts)).all()  # bonus exactly on acceptance
+
+
+@pytest.mark.parametrize("probabilistic", [False, True], ids=["one-hot", "draft-probs"])
+def test_first_token_follows_top_k_top_p_target(probabilistic: bool) -> None:
+    logits = torch.tensor([[1.5, -0.3, 0.9, 0.0, 1.2, -1.0]])
+    p = sampling_probs(logits, torch.tensor([0.8]), torch.tensor([4]), torch.tensor([0.85]))[0]
+    assert (p == 0).sum() == 3  # top-k drops two tokens, top-p one more
+    q = torch.softmax(torch.tensor([0.0, 1.0, 0.5, 0.2, -0.5, 1.0]), dim=0)
+    _, out = _first_token_batch(p, q, probabilistic)
+    _assert_distribution(out[:, 0].long(), p)
+
+
+@pytest.mark.parametrize("probabilistic", [False, True], ids=["one-hot", "draft-probs"])
+def test_second_token_given_first_accepted(probabilistic: bool) -> None:
+    """Two drafts; the target at position 2 depends on token 1 (P2[d1]). Given the first output
+    equals d1, the second output must follow P2[d1], and the first output must follow p1."""
+    gen = torch.Generator().manual_seed(99)
+    vocab = 6
+    p1 = torch.softmax(torch.randn(vocab, generator=gen), dim=0)
+    q1 = torch.softmax(torch.randn(vocab, generator=gen), dim=0)
+    p2_table = torch.softmax(2 * torch.randn(vocab, vocab, generator=gen), dim=1)
+    q2_table = torch.softmax(torch.randn(vocab, vocab, generator=gen), dim=1)
+    d1 = _sample(q1, NUM_SAMPLES, gen)
+    d2 = torch.multinomial(q2_table[d1], 1, generator=gen)[:, 0]
+    drafts = torch.stack([d1, d2], dim=1).reshape(-1)
+    target = torch.stack([p1.expand(NUM_SAMPLES, -1), p2_table[d1]], dim=1).reshape(-1, vocab)
+    draft_probs = torch.stack([q1.expand(NUM_SAMPLES, -1), q2_table[d1]], dim=1).reshape(-1, vocab)
+    torch.manual_seed(7)
+    out = verify_reference(drafts, torch.arange(2, 2 * NUM_SAMPLES + 1, 2, dtype=torch.int32), 2,
+                           draft_probs if probabilistic else None, target,
+                           torch.full((NUM_SAMPLES,), -7),
+                           torch.zeros(NUM_SAMPLES, dtype=torch.bool), {})
+    _assert_distribution(out[:, 0].long(), p1)
+    continued = out[:, 0].long() == d1
+    counts = torch.zeros(vocab, vocab, dtype=torch.long)
+    counts.index_put_((d1[continued], out[continued, 1].long()),
+                      torch.ones(int(continued.sum()), dtype=torch.long), accumulate=True)
+    stat, df = _chi_square(counts, p2_table)
+    assert df == vocab * (vocab - 1)
+    assert stat < _critical(df), f"chi-square {stat:.1f} (df {df})"
+
+
+def test_sampling_probs_definition() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).repeat(4, 1)
+    probs = sampling_probs(logits, torch.tensor([1.0, 2.0, 1.0, 0.0]),
+                           torch.tensor([0, 0, 3, 0]), torch.tensor([1.0, 1.0, 1.0, 0.7]))
+    full = logits[0].softmax(dim=0)
+    assert full[0] < 0.7 < full[0] + full[1]  # top-p 0.7 keeps exactly tokens 0 and 1
+    expected = torch.zeros(4, 6)
+    expected[0] = full
+    expected[1] = (logits[0] / 2).softmax(dim=0)
+    expected[2, :3] = logits[0, :3].softmax(dim=0)
+    expected[3, :2] = logits[0, :2].softmax(dim=0)
+    torch.testing.assert_close(probs, expected)
+
+
+# --------------------------------------------------------------------------- seeds
+
+
+def test_per_request_generators() -> None:
+    torch.manual_seed(0)
+    vocab, counts = 50, [4] * 31 + [0]
+    drafts = torch.randint(vocab, (sum(counts),))
+    target_probs = torch.randn(sum(counts), vocab).softmax(dim=-1)
+    bonus = torch.zeros(len(counts), dtype=torch.long)
+    is_greedy = torch.zeros(len(counts), dtype=torch.bool)
+
+    def run(seed: int, global_seed: int) -> tuple[torch.Tensor, torch.Generator]:
+        generators = {b: torch.Generator().manual_seed(seed + b) for b in range(len(counts))}
+        torch.manual_seed(global_seed)
+        out = verify_reference(drafts, _cu(counts), 4, None, target_probs, bonus, is_greedy,
+                               generators)
+        return out, generators[len(counts) - 1]
+
+    first, idle_generator = run(seed=10, global_seed=1)
+    again, _ = run(seed=10, global_seed=2)  # the default RNG does not matter for seeded requests
+    other, _ = run(seed=20, global_seed=1)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    # A seeded request without drafts leaves its generator untouched.
+    assert torch.equal(idle_generator.get_state(), torch.Generator().manual_seed(41).get_state())
+
+
+# --------------------------------------------------------------------------- Triton
+
+
+def _ragged_case(seed: int) -> dict:
+    """Random ragged batch: mixed greedy/sampled, top-k zeros, padding ids, zero residuals."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab, max_spec_len, batch = 2500, 5, 12  # vocab > BLOCK_V: several blocks per row
+    counts = torch.randint(0, max_spec_len + 1, (batch,), generator=gen).tolist()
+    counts[0], counts[1] = 0, max_spec_len
+    num_tokens = sum(counts)
+    logits = torch.randn(num_tokens, vocab, generator=gen)
+    target_probs = sampling_probs(logits, torch.full((num_tokens,), 0.7),
+                                  torch.full((num_tokens,), 40), torch.full((num_tokens,), 0.9))
+    draft_probs = torch.softmax(logits + torch.randn(num_tokens, vocab, generator=gen), dim=-1)
+    drafts = torch.multinomial(draft_probs, 1, generator=gen)[:, 0]
+    drafts[: num_tokens // 3] = target_probs[: num_tokens // 3].argmax(dim=-1)  # some accepted
+    drafts[-1] = -1
+    draft_probs[1] = 2 * target_probs[1]  # unnormalised q: zero residual, falls back to p
+    return {
+        "draft_token_ids": drafts,
+        "cu_num_draft_tokens": _cu(counts),
+        "max_spec_len": max_spec_len,
+        "draft_probs": draft_probs,
+        "target_probs": target_probs,
+        "bonus_token_ids": torch.randint(vocab, (batch,), generator=gen),
+        "is_greedy": torch.rand(batch, generator=gen) < 0.3,
+    }
+
+
+def _check_triton_matches_reference() -> None:
+    """Run with TRITON_INTERPRET=1 set before triton is imported (see the test below)."""
+    for seed in range(3):
+        case = _ragged_case(seed)
+        for draft_probs in (None, case["draft_probs"]):
+            outs = []
+            for fn in (verify_reference, verify_triton):
+                torch.manual_seed(seed)
+                generators = {2: torch.Generator().manual_seed(5), 3: torch.Generator()}
+                outs.append(fn(**{**case, "draft_probs": draft_probs}, generators=generators))
+            assert torch.equal(outs[0], outs[1]), (seed, draft_probs is None, outs)
+            assert (outs[0][:, 0] >= 0).all()
+        walk_args = {k: v for k, v in case.items() if k != "draft_token_ids"}
+        walk_args["target_argmax"] = case["target_probs"].argmax(dim=-1)
+        counts = torch.diff(case["cu_num_draft_tokens"], prepend=torch.zeros(1)).long().tolist()
+        for randoms in (None, draw_randoms(counts, 2500, {}, torch.device("cpu"), True)):
+            ref = rejection_walk_reference(case["draft_token_ids"], randoms=randoms, **walk_args)
+            tri = rejection_walk_triton(case["draft_token_ids"], randoms=randoms, **walk_args)
+            assert torch.equal(ref, tri), (seed, randoms is None)
+
+
+def test_triton_matches_reference_interpreted() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    code = "import test_verify; test_verify._check_triton_matches_reference()"
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, check=False,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --------------------------------------------------------------------------- vLLM adapter
+
+
+def _metadata(case: dict, all_greedy: bool) -> SimpleNamespace:
+    temperature = torch.where(case["is_greedy"], 0.0, 0.7)
+    return SimpleNamespace(all_greedy=all_greedy, all_random=False,
+                           temperature=None if all_greedy else temperature,
+                           generators={2: torch.Generator().manual_seed(5)})
+
+
+def _adapter(case: dict, metadata: SimpleNamespace, logits: torch.Tensor, **kwargs) -> torch.Tensor:
+    counts = torch.diff(case["cu_num_draft_tokens"], prepend=torch.zeros(1)).long().tolist()
+    return vllm_rejection_sample(case["draft_token_ids"], counts, case["max_spec_len"],
+                                 case["cu_num_draft_tokens"], case["draft_probs"], logits,
+                                 case["bonus_token_ids"][:, None], metadata, **kwargs)
+
+
+def test_vllm_adapter_matches_verify() -> None:
+    case = _ragged_case(0)
+    logits = torch.log(case["target_probs"]) + 3.0  # softmax(logits) == target_probs
+    torch.manual_seed(11)
+    out = _adapter(case, _metadata(case, all_greedy=False), logits)
+    torch.manual_seed(11)
+    expected = verify(**case, generators=_metadata(case, all_greedy=False).generators)
+    assert torch.equal(out, expected)
+
+
+def test_vllm_adapter_all_greedy_is_cheap(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = {**_ragged_case(1), "draft_probs": None}
+    case["is_greedy"] = torch.ones_like(case["is_greedy"])
+    logits = 5 * torch.log(case["target_probs"] + 1e-6)  # same argmax, not probabilities
+
+    def no_softmax(*args, **kwargs):
+        raise AssertionError("all-greedy verification computed a softmax")
+
+    monkeypatch.setattr(torch.Tensor, "softmax", no_softmax)
+    rng_state = torch.get_rng_state()
+    out = _adapter(case, _metadata(case, all_greedy=True), logits)
+    assert torch.equal(torch.get_rng_state(), rng_state), "all-greedy verification drew randoms"
+    monkeypatch.undo()
+    assert torch.equal(out, verify(**case, generators={}))
+
+
+def test_vllm_adapter_rejects_synthetic_mode() -> None:
+    case = _ragged_case(2)
+    with pytest.raises(NotImplementedError, match="synthetic"):
+        _adapter(case, _metadata(case, all_greedy=False), case["target_probs"],
+                 synthetic_mode=True)
