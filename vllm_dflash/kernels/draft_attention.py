@@ -1,0 +1,256 @@
+"""Draft attention: the block queries of a ragged batch over their paged context K/V plus the
+block's own K/V (DFLASH.md sections 2-3).
+
+Request r owns the queries q[query_start_loc[r]:query_start_loc[r+1]], at absolute positions
+context_lens[r] + i. Its keys are the context, positions 0..context_lens[r]-1, read from the
+paged cache through block_table[r], followed by the block's own k/v (never written to the
+cache: they are discarded after the draft). Cache layout (vLLM 0.32): [num_blocks, Hkv,
+block_size, 2 * D], K in [..., :D], V in [..., D:], any strides.
+
+Masks: non-causal without window: every key of the request (context and whole block).
+causal: key_pos <= query_pos. sliding window w: causal -> query_pos - key_pos < w,
+non-causal -> |query_pos - key_pos| < w.
+
+Two paths: a flash-style Triton kernel (online softmax, fp32 accumulation, GQA heads packed into
+the query tile) and the pure-torch reference used on CPU. No CUDA version: see csrc/kv_injection.cu.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _mask(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, sliding_window: int | None
+) -> torch.Tensor:
+    """[Q, S] bool: which keys each query attends to."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    mask = diff >= 0 if causal else torch.ones_like(diff, dtype=torch.bool)
+    if sliding_window is not None:
+        mask &= diff.abs() < sliding_window
+    return mask
+
+
+def draft_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    causal: bool,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Torch fallback (and test oracle), one request at a time, fp32 softmax.
+
+    q [Tq, Hq, D], k/v [Tq, Hkv, D], kv_cache [num_blocks, Hkv, block_size, 2D],
+    block_table [N, max_blocks] int32, context_lens [N] int32, query_start_loc [N+1] int32.
+    Returns [Tq, Hq, D] in q's dtype (rows past query_start_loc[-1] are left undefined).
+    """
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    group = q.shape[1] // num_kv_heads
+    block_size = kv_cache.shape[2]
+    out = torch.empty_like(q)
+    bounds = query_start_loc.tolist()
+    for r, ctx_len in enumerate(context_lens.tolist()):
+        start, end = bounds[r], bounds[r + 1]
+        blocks = block_table[r, : math.ceil(ctx_len / block_size)].long()
+        ctx = kv_cache[blocks].transpose(1, 2).reshape(-1, num_kv_heads, 2 * head_dim)[:ctx_len]
+        keys = torch.cat([ctx[..., :head_dim], k[start:end]]).float()
+        values = torch.cat([ctx[..., head_dim:], v[start:end]]).float()
+        positions = torch.arange(ctx_len + end - start, device=q.device)
+        mask = _mask(positions[ctx_len:], positions, causal, sliding_window)
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+    return out
+
+
+@triton.jit
+def _attend_tile(
+    q, k_t, v, q_pos, k_pos, k_valid, m_i, l_i, acc, scale_log2, window,
+    CAUSAL: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over a key tile: k_t [D, N], v [N, D], k_pos/k_valid [N]."""
+    mask = k_valid[None, :]
+    diff = q_pos[:, None] - k_pos[None, :]
+    if CAUSAL:
+        mask &= diff >= 0
+    if SLIDING:
+        mask &= tl.abs(diff) < window
+    s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
+    s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _draft_attention_kernel(
+    q_ptr, k_ptr, v_ptr, cache_ptr, out_ptr,
+    block_table_ptr, context_lens_ptr, query_start_loc_ptr,
+    stride_qt, stride_qh, stride_qd,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_cb, stride_ch, stride_cs, stride_cd,
+    stride_bt,
+    scale_log2,
+    window,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SLIDING: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # grid (request, kv head, query tile). A tile holds BLOCK_Q queries x the GROUP query heads
+    # sharing this kv head: row = query * GROUP_PAD + head-in-group.
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_lo = tl.program_id(2) * BLOCK_Q
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if q_lo >= q_len:
+        return
+    ctx_len = tl.load(context_lens_ptr + req)
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    qi = q_lo + rows // GROUP_PAD
+    head = kv_head * GROUP + rows % GROUP_PAD
+    row_valid = (qi < q_len) & (rows % GROUP_PAD < GROUP)
+    q_pos = ctx_len + qi
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    q_mask = row_valid[:, None] & d_valid[None, :]
+    q = tl.load(q_ptr + (q_start + qi)[:, None] * stride_qt + head[:, None] * stride_qh
+                + d[None, :] * stride_qd, mask=q_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], dtype=tl.float32)
+    n = tl.arange(0, BLOCK_N)
+
+    # Context keys from the paged cache (all before every query: only the window can hide them).
+    ctx_lo = 0
+    if SLIDING:
+        ctx_lo = tl.maximum(ctx_len + q_lo - window + 1, 0) // BLOCK_N * BLOCK_N
+    for n_lo in range(ctx_lo, ctx_len, BLOCK_N):
+        k_pos = n_lo + n
+        k_valid = k_pos < ctx_len
+        block = tl.load(block_table_ptr + req * stride_bt + k_pos // BLOCK_SIZE, mask=k_valid)
+        kv_base = (cache_ptr + block.to(tl.int64) * stride_cb + kv_head * stride_ch
+                   + (k_pos % BLOCK_SIZE) * stride_cs)
+        kv_mask = k_valid[:, None] & d_valid[None, :]
+        kv_mask_t = d_valid[:, None] & k_valid[None, :]
+        k_t = tl.load(kv_base[None, :] + d[:, None] * stride_cd, mask=kv_mask_t, other=0.0)
+        v = tl.load(kv_base[:, None] + (HEAD_DIM + d[None, :]) * stride_cd, mask=kv_mask,
+                    other=0.0)
+        m_i, l_i, acc = _attend_tile(q, k_t, v, q_pos, k_pos, k_valid, m_i, l_i, acc,
+                                     scale_log2, window, CAUSAL, SLIDING, DOT_PRECISION)
+
+    # The block's own keys (not in the cache).
+    n_hi = q_len
+    if CAUSAL:
+        n_hi = tl.minimum(q_len, q_lo + BLOCK_Q)
+    for n_lo in range(0, n_hi, BLOCK_N):
+        j = n_lo + n
+        k_valid = j < q_len
+        kv_mask = k_valid[:, None] & d_valid[None, :]
+        kv_mask_t = d_valid[:, None] & k_valid[None, :]
+        k_t = tl.load(k_ptr + (q_start + j)[None, :] * stride_kt + kv_head * stride_kh
+                      + d[:, None] * stride_kd, mask=kv_mask_t, other=0.0)
+        v = tl.load(v_ptr + (q_start + j)[:, None] * stride_vt + kv_head * stride_vh
+                    + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        m_i, l_i, acc = _attend_tile(q, k_t, v, q_pos, ctx_len + j, k_valid, m_i, l_i, acc,
+                                     scale_log2, window, CAUSAL, SLIDING, DOT_PRECISION)
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + (q_start + qi)[:, None] * stride_ot + head[:, None] * stride_oh
+             + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def draft_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    causal: bool,
+    sliding_window: int | None,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Same contract as `draft_attention_reference`. max_query_len: a host-side bound on the
+    per-request query lengths (the grid size); computed from query_start_loc, a device sync,
+    when not given."""
+    num_requests = context_lens.shape[0]
+    num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    assert num_heads % num_kv_heads == 0 and kv_cache.shape[1] == num_kv_heads
+    assert kv_cache.shape[3] == 2 * head_dim
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_requests else 0
+    out = torch.empty_like(q)
+    if max_query_len == 0:
+        return out
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    # ~64 rows per tile, at least 16 (the smallest tl.dot).
+    block_q = max(min(triton.next_power_of_2(max_query_len), 64 // group_pad), 16 // group_pad, 1)
+    grid = (num_requests, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    _draft_attention_kernel[grid](
+        q, k, v, kv_cache, out,
+        block_table, context_lens, query_start_loc,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *kv_cache.stride(),
+        block_table.stride(0),
+        scale * math.log2(math.e),
+        sliding_window or 0,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_N=64,
+        BLOCK_SIZE=kv_cache.shape[2],
+        CAUSAL=causal,
+        SLIDING=sliding_window is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out
+
+
+def draft_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    causal: bool,
+    sliding_window: int | None,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Dispatch: Triton on CUDA, else the torch fallback (CPU). max_query_len: see Triton."""
+    args = (q, k, v, kv_cache, block_table, context_lens, query_start_loc, scale, causal,
+            sliding_window)
+    if q.is_cuda:
+        return draft_attention_triton(*args, max_query_len=max_query_len)
+    return draft_attention_reference(*args)
