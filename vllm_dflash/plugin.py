@@ -7,7 +7,7 @@ vLLM loads `register()` through the `vllm.general_plugins` entry point in every 
 import logging
 import os
 
-logger = logging.getLogger("vllm_dflash")
+logger = logging.getLogger("vllm.vllm_dflash")  # inherits vLLM's log handler
 
 SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
 IMPL_ENV = "VLLM_DFLASH_IMPL"

@@ -35,9 +35,9 @@ from vllm_dflash.checkpoint import load_drafter
 from vllm_dflash.config import DFlashConfig, DFlashConfigError, validate_against_target
 from vllm_dflash.kernels.draft_attention import draft_attention
 from vllm_dflash.kernels.kv_injection import kv_injection
-from vllm_dflash.layers import rope_cos_sin_cache
+from vllm_dflash.model import Attend
 
-logger = logging.getLogger("vllm_dflash")
+logger = logging.getLogger("vllm.vllm_dflash")  # inherits vLLM's log handler
 
 
 @dataclass
@@ -82,7 +82,7 @@ class DraftKVMetadataBuilder(AttentionMetadataBuilder[None]):
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
 
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:  # noqa: ANN001
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -122,6 +122,13 @@ def load_validated_config(vllm_config: VllmConfig) -> DFlashConfig:
         num_speculative_tokens=spec.num_speculative_tokens,
         dtype=target.dtype,
     )
+    longest = target.max_model_len + cfg.block_size
+    if longest > cfg.max_position_embeddings:
+        raise DFlashConfigError(
+            f"max_model_len={target.max_model_len} plus block_size={cfg.block_size} exceeds the "
+            f"drafter's max_position_embeddings={cfg.max_position_embeddings}; pass "
+            f"--max-model-len {cfg.max_position_embeddings - cfg.block_size} or less."
+        )
     if spec.draft_sample_method != "greedy":
         raise DFlashConfigError(
             f"draft_sample_method={spec.draft_sample_method!r}: vllm-dflash proposes greedy "
@@ -152,6 +159,11 @@ class DFlashProposer(SpecDecodeBaseProposer):
             for i in range(self.dflash_config.num_layers)
         ]
         self.kv_layers: list[DraftKVLayer] = []
+        # vLLM captures each target layer once, in ascending order; the drafter wants its
+        # target_layer_ids order, duplicates included.
+        ids = self.dflash_config.target_layer_ids
+        captured = sorted(set(ids))
+        self.feature_order = None if ids == captured else [captured.index(i) for i in ids]
         plugin.use_dflash_verification()
         logger.info(
             "vllm-dflash: implementation=vllm-dflash (vllm_dflash.proposer.DFlashProposer), "
@@ -161,6 +173,9 @@ class DFlashProposer(SpecDecodeBaseProposer):
             self.num_speculative_tokens,
             self.dflash_config.num_layers,
         )
+
+    def _get_eagle3_use_aux_hidden_state_from_config(self) -> bool:
+        return True  # the drafter always reads the target's intermediate features
 
     # ---- set-up -------------------------------------------------------------------------
 
@@ -172,9 +187,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         self.target = target_model
         self.kv_weight = self.drafter.kv_weight()
         self.k_norm_weight = self.drafter.k_norm_weight()
-        self.cos_sin_cache = rope_cos_sin_cache(
-            cfg.head_dim, self.max_model_len + self.block_len, cfg.rope_theta, self.device
-        )
+        self.cos_sin_cache = self.drafter.rope_cache(self.device)
         self.mask_ids = torch.full(
             (self.max_batch_size, self.block_len), cfg.mask_token_id,
             dtype=torch.int32, device=self.device,
@@ -238,6 +251,9 @@ class DFlashProposer(SpecDecodeBaseProposer):
     def inject_context(
         self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
+        if self.feature_order is not None:
+            chunks = features.view(features.shape[0], -1, self.dflash_config.hidden_size)
+            features = chunks[:, self.feature_order].flatten(1)
         ctx = self.drafter.fuse(features.to(self.dtype))
         kv_injection(
             ctx, positions, slot_mapping, self.kv_weight, self.k_norm_weight,
@@ -260,7 +276,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         logits = self.target.compute_logits(hidden)
         return logits.argmax(dim=-1).view(num_reqs, self.num_speculative_tokens)
 
-    def paged_attend(self, batch: DraftBatch):  # noqa: ANN201
+    def paged_attend(self, batch: DraftBatch) -> Attend:
         cfg = self.dflash_config
         scale = cfg.head_dim**-0.5
 

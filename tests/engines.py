@@ -1,0 +1,87 @@
+"""Shared helpers for tests that run real vLLM engines on the CPU build."""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+# In-process, single-threaded engines start in seconds; must be set before vLLM reads them.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+MAX_MODEL_LEN = 512
+
+
+@dataclass
+class Pair:
+    target: Path
+    drafter: Path
+    block_size: int
+
+
+def make_pair(root: Path, block_size: int = 8, num_layers: int = 2, seed: int = 0) -> Pair:
+    """A random-weight Qwen3 target (4 layers, head_dim 64) and a matching random drafter."""
+    from vllm_dflash.tiny import write_random_drafter, write_random_target
+
+    target = write_random_target(root / "target", seed=seed)
+    write_random_drafter(root / "drafter", target, block_size=block_size, num_layers=num_layers)
+    return Pair(target=target, drafter=root / "drafter", block_size=block_size)
+
+
+def _llm(model: Path, **kwargs):
+    from vllm import LLM
+
+    kwargs.setdefault("max_model_len", MAX_MODEL_LEN)
+    return LLM(
+        model=str(model), enforce_eager=True, dtype="float32", seed=0,
+        disable_log_stats=False, **kwargs,
+    )
+
+
+def plain_llm(target: Path, **kwargs):
+    return _llm(target, **kwargs)
+
+
+def dflash_llm(pair: Pair, num_speculative_tokens: int, **kwargs):
+    spec = {"method": "dflash", "model": str(pair.drafter),
+            "num_speculative_tokens": num_speculative_tokens}
+    return _llm(pair.target, speculative_config=spec, **kwargs)
+
+
+def prompts_of_lengths(target: Path, lengths: tuple[int, ...], seed: int = 0) -> list[dict]:
+    """Token-id prompts (no special tokens) of the given lengths."""
+    import torch
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(target / "tokenizer.json")).get_vocab_size()
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {"prompt_token_ids": torch.randint(2, vocab, (n,), generator=g).tolist()}
+        for n in lengths
+    ]
+
+
+def generate_ids(llm, prompts: list, **params) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params.setdefault("temperature", 0.0)
+    outputs = llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def spec_metrics(llm) -> dict:
+    """vLLM's own spec-decode counters, as Prometheus exports them."""
+    values: dict = {}
+    for metric in llm.get_metrics():
+        name = metric.name.removeprefix("vllm:spec_decode_")
+        if name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            values[name] = metric.value
+        elif name == "num_accepted_tokens_per_pos":
+            values["accepted_per_pos"] = list(metric.values)
+    return {
+        "drafts": values.get("num_drafts", 0),
+        "draft_tokens": values.get("num_draft_tokens", 0),
+        "accepted": values.get("num_accepted_tokens", 0),
+        "accepted_per_pos": values.get("accepted_per_pos", []),
+    }

@@ -1,0 +1,153 @@
+"""vllm-dflash inside real vLLM engines (CPU build, in-process, eager): lossless greedy output,
+the start-up log line, sampling, metrics and start-up validation.
+
+Engines are expensive (~5 s each after `import vllm`), so each configuration is built once per
+module and shared by the tests that use it.
+"""
+
+import itertools
+import logging
+
+import pytest
+
+from tests.engines import (
+    dflash_llm,
+    generate_ids,
+    make_pair,
+    plain_llm,
+    prompts_of_lengths,
+    spec_metrics,
+)
+
+PROMPT_LENGTHS = (1, 5, 17, 40, 77, 150, 260, 400)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def prompts(pair):
+    return prompts_of_lengths(pair.target, PROMPT_LENGTHS)
+
+
+class LogLines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def startup_log():
+    handler = LogLines()
+    logging.getLogger("vllm.vllm_dflash").addHandler(handler)
+    yield handler.lines
+    logging.getLogger("vllm.vllm_dflash").removeHandler(handler)
+
+
+@pytest.fixture(scope="module")
+def baseline(pair):
+    llm = plain_llm(pair.target)
+    yield llm
+    del llm
+
+
+@pytest.fixture(scope="module")
+def full_block(pair, startup_log):
+    llm = dflash_llm(pair, pair.block_size - 1)
+    yield llm
+    del llm
+
+
+def test_startup_log_names_vllm_dflash(full_block, startup_log):
+    lines = [line for line in startup_log if line.startswith("vllm-dflash:")]
+    assert lines, startup_log
+    assert "implementation=vllm-dflash" in lines[0]
+    assert "runner=CPUModelRunner" in lines[0]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 13, 40])
+def test_greedy_alone_equals_no_speculation(baseline, full_block, prompts, max_tokens):
+    for prompt in prompts:
+        want = generate_ids(baseline, [prompt], max_tokens=max_tokens)
+        assert generate_ids(full_block, [prompt], max_tokens=max_tokens) == want
+
+
+def test_greedy_batch_equals_no_speculation(baseline, full_block, prompts):
+    want = generate_ids(baseline, prompts, max_tokens=37)
+    assert generate_ids(full_block, prompts, max_tokens=37) == want
+
+
+def test_stop_token_ids_and_strings(baseline, full_block, prompts):
+    plain = generate_ids(baseline, prompts, max_tokens=30)
+    # Stop on a token each output really produces, mid-way, so the stop falls inside a block.
+    stop_ids = sorted({out[len(out) // 2] for out in plain if len(out) > 2})
+    kwargs = {"max_tokens": 30, "stop_token_ids": stop_ids}
+    assert generate_ids(full_block, prompts, **kwargs) == generate_ids(baseline, prompts, **kwargs)
+    want = baseline.generate(prompts, _params(max_tokens=30, stop=["e", "\n"]))
+    got = full_block.generate(prompts, _params(max_tokens=30, stop=["e", "\n"]))
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_shared_prefix_with_prefix_caching(baseline, full_block, prompts):
+    prefix = prompts[-1]["prompt_token_ids"][:200]
+    shared = [{"prompt_token_ids": prefix + p["prompt_token_ids"][:20]} for p in prompts]
+    want = generate_ids(baseline, shared, max_tokens=24)
+    # Twice: the second pass hits the prefix cache for the target and the drafter pages alike.
+    assert generate_ids(full_block, shared, max_tokens=24) == want
+    assert generate_ids(full_block, shared, max_tokens=24) == want
+
+
+def test_metrics_are_vllm_spec_decode_counters(full_block, prompts):
+    generate_ids(full_block, prompts, max_tokens=20)
+    m = spec_metrics(full_block)
+    k = full_block.llm_engine.vllm_config.speculative_config.num_speculative_tokens
+    assert m["drafts"] > 0
+    assert m["draft_tokens"] == k * m["drafts"]
+    per_pos = m["accepted_per_pos"]
+    assert len(per_pos) == k
+    assert all(a >= b for a, b in itertools.pairwise(per_pos))
+    assert m["accepted"] == sum(per_pos)
+
+
+def test_seeded_sampling_is_reproducible_and_respects_top_k(full_block, prompts):
+    params = _params(max_tokens=16, temperature=1.0, seed=7, top_k=3)
+    first = [o.outputs[0].token_ids for o in full_block.generate(prompts, params)]
+    second = [o.outputs[0].token_ids for o in full_block.generate(prompts, params)]
+    assert first == second
+    # top_k=1 leaves only the argmax: sampling must then equal greedy.
+    greedy = generate_ids(full_block, prompts, max_tokens=16)
+    top1 = full_block.generate(prompts, _params(max_tokens=16, temperature=1.0, seed=3, top_k=1))
+    assert [list(o.outputs[0].token_ids) for o in top1] == greedy
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_smaller_k_equals_no_speculation(pair, baseline, prompts, k):
+    llm = dflash_llm(pair, k)
+    try:
+        want = generate_ids(baseline, prompts, max_tokens=21)
+        assert generate_ids(llm, prompts, max_tokens=21) == want
+        assert spec_metrics(llm)["draft_tokens"] == k * spec_metrics(llm)["drafts"]
+    finally:
+        del llm
+
+
+def test_preemption_keeps_greedy_output(pair, baseline, prompts):
+    # Few KV blocks for 8 long requests: the scheduler must preempt and recompute.
+    llm = dflash_llm(pair, pair.block_size - 1, num_gpu_blocks_override=10)
+    try:
+        want = generate_ids(baseline, prompts, max_tokens=48)
+        assert generate_ids(llm, prompts, max_tokens=48) == want
+    finally:
+        del llm
+
+
+def _params(**kwargs):
+    from vllm import SamplingParams
+
+    return SamplingParams(**kwargs)
