@@ -1,0 +1,204 @@
+"""Training: packed block mask, anchors, loss weights, data, the greedy eval loop, a smoke run."""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_dflash.checkpoint import load_drafter
+from vllm_dflash.cli import build_parser
+from vllm_dflash.model import block_mask as inference_mask
+from vllm_dflash.tiny import MASK_TOKEN, random_drafter, write_random_target
+from vllm_dflash.train.blocks import (
+    block_inputs,
+    block_loss,
+    block_mask,
+    default_gamma,
+    loss_weights,
+    sample_anchors,
+)
+from vllm_dflash.train.data import load_examples
+from vllm_dflash.train.evaluate import speculative_greedy
+from vllm_dflash.train.features import load_target
+from vllm_dflash.train.forward import draft_logits
+from vllm_dflash.train.trainer import Trainer, TrainConfig, config_from_args, drafter_config
+
+TEXT = (Path(os.__file__).parent / "textwrap.py").read_text()
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    return write_random_target(tmp_path_factory.mktemp("target"), num_layers=4, vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return load_target(str(target_dir), torch.float32, "cpu")
+
+
+@pytest.fixture(scope="module")
+def drafter(target_dir, target):
+    cfg = TrainConfig(target=str(target_dir), data="", out="", layers=2, target_layer_ids=[1, 2])
+    mask_id = target.config.vocab_size - 1
+    return random_drafter(drafter_config(cfg, target, mask_id), seed=1)
+
+
+def test_block_mask_sees_own_block_and_context_before_anchor():
+    anchors, B, ctx = torch.tensor([3, 5, 11]), 4, 16
+    mask = block_mask(anchors, B, ctx)
+    assert mask.shape == (3 * B, ctx + 3 * B)
+    for q in range(3 * B):
+        a = q // B
+        assert mask[q, :ctx].tolist() == [j < anchors[a] for j in range(ctx)]
+        own = [ctx + a * B + i for i in range(B)]  # bidirectional inside the block
+        assert mask[q, ctx:].nonzero().flatten().add(ctx).tolist() == own
+
+
+def test_block_mask_rows_equal_inference_mask():
+    anchors, B = torch.tensor([2, 7]), 4
+    mask = block_mask(anchors, B, 12)
+    for a, p in enumerate(anchors.tolist()):
+        rows = mask[a * B : (a + 1) * B]
+        expected = inference_mask(p, B, causal=False, window=None)
+        assert rows[:, :p].equal(expected[:, :p]) and not rows[:, p:12].any()
+        assert rows[:, 12 + a * B : 12 + (a + 1) * B].equal(expected[:, p:])
+
+
+def test_packed_blocks_equal_one_block_at_a_time(drafter, target):
+    """One packed forward of many blocks = separate forwards with context = features < anchor."""
+    L, B = 40, drafter.cfg.block_size
+    ids = torch.randint(0, 500, (L,))
+    features = torch.randn(L, 2 * drafter.cfg.hidden_size)
+    weights = (target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    anchors = torch.tensor([5, 9, 20, 31])
+    block_ids, positions, _ = block_inputs(ids, anchors, B, drafter.cfg.mask_token_id)
+    packed = draft_logits(
+        drafter, features, block_ids, positions, block_mask(anchors, B, L), *weights
+    )
+    for a, p in enumerate(anchors.tolist()):
+        one = slice(a * B, (a + 1) * B)
+        alone = draft_logits(
+            drafter, features[:p], block_ids[one], positions[one],
+            torch.ones(B, p + B, dtype=torch.bool), *weights,
+        )  # fmt: skip
+        torch.testing.assert_close(packed[one], alone, atol=1e-5, rtol=1e-4)
+
+
+def test_block_inputs():
+    ids = torch.arange(100, 120)
+    block_ids, positions, labels = block_inputs(ids, torch.tensor([2, 10]), 4, mask_token_id=7)
+    assert positions.tolist() == [2, 3, 4, 5, 10, 11, 12, 13]
+    assert block_ids.tolist() == [102, 7, 7, 7, 110, 7, 7, 7]
+    assert labels.tolist() == [-100, 103, 104, 105, -100, 111, 112, 113]
+
+
+def test_sample_anchors_in_response_and_distinct():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        anchors = sample_anchors(response_start=30, seq_len=100, block_size=8, num_anchors=16,
+                                 gen=gen)  # fmt: skip
+        assert len(anchors) == 16 and len(set(anchors.tolist())) == 16
+        assert anchors.equal(anchors.sort().values)
+        assert anchors.min() >= 30 and anchors.max() + 8 <= 100
+    every = sample_anchors(30, 40, 8, num_anchors=99, gen=gen)
+    assert every.tolist() == list(range(30, 33))
+    assert len(sample_anchors(30, 36, 8, 4, gen)) == 0
+    assert sample_anchors(0, 9, 8, 4, gen).tolist() == [1]  # an anchor needs some context
+
+
+def test_loss_weights():
+    assert [default_gamma(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
+    w = loss_weights(8, 4.0)
+    assert w.shape == (7,) and w[0] == 1.0
+    torch.testing.assert_close(w, torch.tensor([math.exp(-k / 4) for k in range(7)]))
+
+
+def test_block_loss_is_weighted_ce_of_mask_positions():
+    logits, B = torch.randn(8, 11), 4
+    labels = torch.tensor([-100, 1, 2, 3, -100, 4, 5, 6])
+    w = loss_weights(B, 2.0)
+    ce = torch.nn.functional.cross_entropy(logits, labels.clamp(min=0), reduction="none")
+    weights = torch.cat([torch.zeros(1), w]).repeat(2)
+    torch.testing.assert_close(block_loss(logits, labels, w), (ce * weights).sum() / weights.sum())
+
+
+def test_load_examples(target_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    jsonl = tmp_path / "data.jsonl"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    jsonl.write_text(json.dumps({"prompt": "def f():", "response": " pass"}) + "\n"
+                     + json.dumps({"messages": messages}) + "\n")  # fmt: skip
+    plain, chat = load_examples(tok, jsonl, 8, 8)
+    assert tok.decode(plain.prompt_ids) == "def f():" and tok.decode(plain.response_ids) == " pass"
+    assert tok.decode(chat.prompt_ids) == "user: hi\nassistant: "
+    assert chat.response_ids == tok("ok")["input_ids"] + [tok.eos_token_id]
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text(TEXT[:3000])
+    windows = load_examples(tok, tmp_path / "texts", 16, 48)
+    assert len(windows) > 2 and all(len(w.prompt_ids) == 16 for w in windows)
+    joined = sum((w.prompt_ids + w.response_ids for w in windows), [])
+    assert joined == tok(TEXT[:3000])["input_ids"][: len(joined)]  # a tail without response goes
+
+
+def test_speculative_greedy_equals_greedy_decoding(drafter, target):
+    prompt = torch.randint(2, 500, (12,)).tolist()
+    ids, lengths = speculative_greedy(drafter, target, prompt, max_new_tokens=20)
+    reference = target.generate(torch.tensor([prompt]), max_new_tokens=len(ids) - len(prompt),
+                                do_sample=False, eos_token_id=None)[0].tolist()  # fmt: skip
+    assert ids == reference and sum(lengths) == len(ids) - len(prompt) - 1
+
+
+def train_argv(target_dir: Path, tmp_path: Path, epochs: int) -> list[str]:
+    data = tmp_path / "data.jsonl"
+    step = 500
+    records = [{"prompt": TEXT[i : i + 150], "response": TEXT[i + 150 : i + step]}
+               for i in range(0, 10 * step, step)]  # fmt: skip
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return ["train", "--target", str(target_dir), "--data", str(data), "--out",
+            str(tmp_path / "drafter"), "--no-regenerate", "--epochs", str(epochs), "--lr", "3e-3",
+            "--batch-size", "2", "--seq-len", "160", "--anchors-per-seq", "12", "--layers", "1",
+            "--target-layer-ids", "1,2", "--eval-prompts", "1", "--eval-max-new-tokens", "8"]  # fmt: skip
+
+
+def test_train_smoke_loss_falls_and_checkpoint_loads(target_dir, tmp_path):
+    from dflash.model import DFlashDraftModel
+
+    cfg = config_from_args(build_parser().parse_args(train_argv(target_dir, tmp_path, epochs=4)))
+    stats = Trainer(cfg).run()
+    losses = [h["loss"] for h in stats["history"]]
+    assert losses[-1] < losses[0] - 0.2, losses
+    drafter = load_drafter(cfg.out, torch.float32)
+    assert drafter.cfg.block_size == 8 and drafter.cfg.target_layer_ids == [1, 2]
+    assert drafter.cfg.mask_token_id == load_target_tokenizer_mask(target_dir)
+    reference, info = DFlashDraftModel.from_pretrained(cfg.out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert reference.target_layer_ids == [1, 2] and reference.block_size == 8
+
+
+def load_target_tokenizer_mask(target_dir: Path) -> int:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_dir).convert_tokens_to_ids(MASK_TOKEN)
+
+
+def test_resume_continues_exactly(target_dir, tmp_path):
+    argv = train_argv(target_dir, tmp_path, epochs=2) + ["--eval-prompts", "0"]
+    cfg = config_from_args(build_parser().parse_args(argv))
+    straight = Trainer(cfg)
+    straight.run()
+    interrupted = Trainer(cfg)
+    for step in range(3):
+        interrupted.train_step(step)
+    interrupted.step = 3
+    interrupted.save_state()
+    cfg.resume = True
+    resumed = Trainer(cfg)
+    assert resumed.step == 3
+    resumed.run()
+    for (name, a), b in zip(straight.drafter.state_dict().items(), resumed.drafter.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)

@@ -1,0 +1,24 @@
+"""`vllm-dflash` command line: one subcommand per module (`train`, ...)."""
+
+import argparse
+
+from vllm_dflash.train import command as train_command
+
+SUBCOMMANDS = (train_command,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-dflash", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for module in SUBCOMMANDS:
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

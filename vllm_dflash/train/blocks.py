@@ -1,0 +1,71 @@
+"""Training blocks: random anchors, the packed attention mask and the loss weights.
+
+A block anchored at position p is [token p, MASK x (B-1)] at positions p .. p+B-1; its mask
+positions k = 1..B-1 predict tokens p+k. Many blocks of one sequence share one forward pass:
+each block sees the context features at positions < p and its own B positions
+(bidirectionally), never another block.
+"""
+
+import torch
+import torch.nn.functional as F
+
+PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """The paper's loss decay for its block sizes, about B/2 - 1 for the others."""
+    return PAPER_GAMMA.get(block_size, max(1.0, block_size / 2 - 1))
+
+
+def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """[B-1] weights exp(-(k-1)/gamma) of mask positions k = 1..B-1."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def sample_anchors(
+    response_start: int, seq_len: int, block_size: int, num_anchors: int, gen: torch.Generator
+) -> torch.Tensor:
+    """Sorted distinct anchors p with response_start <= p and p + B - 1 < seq_len.
+
+    Blocks may overlap (they never see each other). Returns fewer than num_anchors when the
+    response has fewer valid positions, none when it is shorter than a block.
+    """
+    first = max(response_start, 1)
+    count = seq_len - block_size + 1 - first
+    if count <= 0:
+        return torch.empty(0, dtype=torch.long)
+    picked = torch.randperm(count, generator=gen)[:num_anchors]
+    return picked.sort().values + first
+
+
+def block_inputs(
+    token_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flattened [A*B] block token ids, positions, and labels (-100 at the anchors)."""
+    positions = (anchors[:, None] + torch.arange(block_size)).flatten()
+    labels = token_ids[positions].view(-1, block_size).clone()
+    block_ids = torch.full_like(labels, mask_token_id)
+    block_ids[:, 0] = labels[:, 0]
+    labels[:, 0] = -100
+    return block_ids.flatten(), positions, labels.flatten()
+
+
+def block_mask(anchors: torch.Tensor, block_size: int, context_len: int) -> torch.Tensor:
+    """Boolean [A*B, context_len + A*B]: True where a block query may attend."""
+    block_of_query = torch.arange(len(anchors)).repeat_interleave(block_size)
+    sees_context = torch.arange(context_len)[None, :] < anchors[block_of_query][:, None]
+    sees_block = block_of_query[:, None] == block_of_query[None, :]
+    return torch.cat([sees_context, sees_block], dim=1)
+
+
+def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the mask positions, weighted by position in block, normalised by weight."""
+    block_size = len(weights) + 1
+    per_token = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="none")
+    w = (
+        torch.cat([weights.new_zeros(1), weights])
+        .to(logits.device)
+        .repeat(len(labels) // block_size)
+    )
+    return (per_token * w).sum() / w.sum()

@@ -1,0 +1,108 @@
+"""The `vllm-dflash train` subcommand: arguments -> TrainConfig -> train()."""
+
+import argparse
+import json
+
+from vllm_dflash.train.trainer import TrainConfig, config_from_args, train
+
+DEFAULTS = TrainConfig(target="", data="", out="")
+
+
+def layer_ids(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train a DFlash drafter for a target model",
+        description="Train a DFlash drafter (z-lab format) on the target's own responses.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d = DEFAULTS
+    p.add_argument("--target", required=True, help="target model dir (HF format, with tokenizer)")
+    p.add_argument(
+        "--data",
+        required=True,
+        help='JSONL of {"prompt"} / {"messages"} records, or a folder of text files',
+    )
+    p.add_argument("--out", required=True, help="output dir: drafter checkpoint + trainer state")
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--layers", type=int, default=d.layers, help="drafter decoder layers")
+    p.add_argument(
+        "--target-layer-ids",
+        type=layer_ids,
+        default=d.target_layer_ids,
+        help="comma-separated target layers to read (default: spread over the target)",
+    )
+    p.add_argument(
+        "--mask-token-id",
+        type=int,
+        default=d.mask_token_id,
+        help="default: the tokenizer's <|mask|> token",
+    )
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="max prompt+response tokens")
+    p.add_argument("--anchors-per-seq", type=int, default=d.anchors_per_seq)
+    p.add_argument(
+        "--gamma",
+        type=float,
+        default=d.gamma,
+        help="loss decay (default: 7 for B=16, 5 for B=10, 4 for B=8, else B/2-1)",
+    )
+    p.add_argument("--warmup", type=float, default=d.warmup, help="warmup fraction of steps")
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=d.prompt_tokens,
+        help="prompt length when --data is a folder of text files",
+    )
+    p.add_argument("--max-response-tokens", type=int, default=d.max_response_tokens)
+    p.add_argument(
+        "--regenerate",
+        action=argparse.BooleanOptionalAction,
+        default=d.regenerate,
+        help="regenerate responses with the target (vLLM) instead of the data's text",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=d.temperature,
+        help="regeneration temperature (0: greedy)",
+    )
+    p.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
+    p.add_argument("--dtype", default=d.dtype, help="target dtype (the drafter trains in fp32)")
+    p.add_argument("--save-dtype", default=d.save_dtype, help="dtype of the saved drafter")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=d.save_every,
+        help="also save the trainer state every N steps (0: at epoch ends)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=d.cache_dir,
+        help="disk cache of responses and target features (default: in memory)",
+    )
+    p.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=d.eval_prompts,
+        help="held-out prompts for the per-epoch acceptance length (0: no eval)",
+    )
+    p.add_argument(
+        "--eval-data",
+        default=d.eval_data,
+        help="file/folder of eval prompts (default: the last --eval-prompts of --data)",
+    )
+    p.add_argument("--eval-max-new-tokens", type=int, default=d.eval_max_new_tokens)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    stats = train(config_from_args(args))
+    print(json.dumps({k: v for k, v in stats.items() if k != "history"}, indent=2))

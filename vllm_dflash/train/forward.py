@@ -1,0 +1,27 @@
+"""One drafter pass over blocks, conditioned on a prefix of target features (pure torch)."""
+
+import torch
+
+from vllm_dflash.model import DFlashDrafter, dense_attend
+
+
+def draft_logits(
+    drafter: DFlashDrafter,
+    features: torch.Tensor,
+    block_ids: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+) -> torch.Tensor:
+    """Logits [Tq, V] of block tokens at positions, attending per mask [Tq, Tc + Tq].
+
+    features [Tc, K*H] are the target's features of positions 0 .. Tc-1 (the context). Inputs
+    are cast to the drafter's dtype (a drafter may train in fp32 against a bf16 target).
+    """
+    dtype = drafter.fc.weight.dtype
+    context = drafter.fuse(features.to(dtype))
+    context_kv = drafter.context_kv(context, torch.arange(len(features), device=features.device))
+    attend = dense_attend(context_kv, mask, drafter.scale)
+    hidden = drafter(drafter.embed(block_ids, embed_weight.to(dtype)), positions, attend)
+    return drafter.logits(hidden, lm_head_weight.to(dtype))
