@@ -43,6 +43,8 @@ class LogLines(logging.Handler):
 
 @pytest.fixture(scope="module")
 def startup_log():
+    import vllm  # noqa: F401  (vLLM's logging set-up resets handlers of its child loggers)
+
     handler = LogLines()
     logging.getLogger("vllm.vllm_dflash").addHandler(handler)
     yield handler.lines

@@ -1,0 +1,75 @@
+"""A drafter that does not fit its target fails engine start-up with vllm-dflash's message."""
+
+import json
+import shutil
+
+import pytest
+
+from tests.engines import dflash_llm, make_pair
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("pair"))
+
+
+def edited_drafter(pair, tmp_path, edit):  # noqa: ANN001, ANN201
+    """A copy of the pair whose drafter config.json went through edit(dict)."""
+    drafter = tmp_path / "drafter"
+    shutil.copytree(pair.drafter, drafter)
+    config = json.loads((drafter / "config.json").read_text())
+    edit(config)
+    (drafter / "config.json").write_text(json.dumps(config))
+    return type(pair)(target=pair.target, drafter=drafter, block_size=pair.block_size)
+
+
+def error_text(excinfo: pytest.ExceptionInfo) -> str:
+    """The message and every cause in the chain (vLLM may wrap start-up errors)."""
+    texts, err = [], excinfo.value
+    while err is not None:
+        texts.append(str(err))
+        err = err.__cause__ or err.__context__
+    return "\n".join(texts)
+
+
+def set_layer_ids(ids):  # noqa: ANN001, ANN201
+    return lambda c: c["dflash_config"].update(target_layer_ids=ids)
+
+
+CASES = {
+    "layer id out of range": (set_layer_ids([0, 9]), ["target_layer_ids", "9", "fix"]),
+    "mask id outside vocab": (
+        lambda c: c["dflash_config"].update(mask_token_id=50_000),
+        ["mask_token_id", "50000", "1024", "fix"],
+    ),
+    "vocab differs": (lambda c: c.update(vocab_size=2048), ["vocab_size", "2048", "1024", "fix"]),
+    "no dflash_config": (lambda c: c.pop("dflash_config"), ["dflash_config"]),
+    "head dim unsupported": (lambda c: c.update(head_dim=48), ["head_dim", "48"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_config_mismatch_fails_startup(pair, tmp_path, case):
+    edit, words = CASES[case]
+    bad = edited_drafter(pair, tmp_path, edit)
+    with pytest.raises(Exception) as excinfo:
+        dflash_llm(bad, 3)
+    text = error_text(excinfo)
+    for word in words:
+        assert word in text, text
+
+
+def test_feature_width_mismatch_fails_startup(pair, tmp_path):
+    # A drafter made for a target with hidden size 128 cannot read this target's features.
+    bad = edited_drafter(pair, tmp_path, lambda c: c.update(hidden_size=128))
+    with pytest.raises(Exception) as excinfo:
+        dflash_llm(bad, 3)
+    assert "fc.weight input width" in error_text(excinfo)
+
+
+@pytest.mark.parametrize("k", [8, 20])
+def test_too_many_speculative_tokens_fails_startup(pair, k):
+    with pytest.raises(Exception) as excinfo:
+        dflash_llm(pair, k)
+    text = error_text(excinfo)
+    assert "num_speculative_tokens" in text and str(k) in text and "7" in text, text
