@@ -73,7 +73,7 @@ def test_greedy_is_plain_argmax_decoding() -> None:
     argmax = target_probs.argmax(dim=-1)
     bonus = torch.arange(len(counts)) + 100
     drafts, expected, row = [], [], 0
-    for n, k in zip(counts, matching):
+    for n, k in zip(counts, matching, strict=True):
         rows = argmax[row : row + n].tolist()
         wrong = [(a + 1) % vocab for a in rows]
         drafts += rows[:k] + wrong[k:]
@@ -249,7 +249,9 @@ def _check_triton_matches_reference() -> None:
         walk_args = {k: v for k, v in case.items() if k != "draft_token_ids"}
         walk_args["target_argmax"] = case["target_probs"].argmax(dim=-1)
         counts = torch.diff(case["cu_num_draft_tokens"], prepend=torch.zeros(1)).long().tolist()
-        for randoms in (None, draw_randoms(counts, 2500, {}, torch.device("cpu"), True)):
+        vocab = case["target_probs"].shape[1]
+        fp64_randoms = draw_randoms(counts, vocab, {}, torch.device("cpu"), fp64_noise=True)
+        for randoms in (None, fp64_randoms):
             ref = rejection_walk_reference(case["draft_token_ids"], randoms=randoms, **walk_args)
             tri = rejection_walk_triton(case["draft_token_ids"], randoms=randoms, **walk_args)
             assert torch.equal(ref, tri), (seed, randoms is None)
@@ -287,7 +289,8 @@ def test_vllm_adapter_matches_verify() -> None:
     torch.manual_seed(11)
     out = _adapter(case, _metadata(case, all_greedy=False), logits)
     torch.manual_seed(11)
-    expected = verify(**case, generators=_metadata(case, all_greedy=False).generators)
+    expected = verify(**{**case, "target_probs": logits.softmax(dim=-1)},
+                      generators=_metadata(case, all_greedy=False).generators)
     assert torch.equal(out, expected)
 
 

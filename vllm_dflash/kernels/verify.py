@@ -139,7 +139,7 @@ def rejection_walk_reference(
 def _recover_reference(
     p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor, inv_exp: torch.Tensor
 ) -> torch.Tensor:
-    """Correction tokens for rejected rows: argmax(residual / E), or argmax(p / E) if residual = 0."""
+    """Correction tokens of rejected rows: argmax(residual / E), argmax(p / E) if residual = 0."""
     if q is None:
         vocab = torch.arange(p.shape[1], device=p.device)
         residual = torch.where(vocab == drafts[:, None], 0.0, p)
@@ -321,6 +321,7 @@ def _verify(
     if target_argmax is None:
         target_argmax = target_probs.argmax(dim=-1)
     ends = cu_num_draft_tokens.long()
+    # Host copy of the draft counts (a device sync on CUDA; the vLLM adapter has them already).
     num_draft_tokens = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
     randoms = draw_randoms(num_draft_tokens, target_probs.shape[1], generators,
                            target_probs.device)
