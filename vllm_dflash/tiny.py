@@ -13,7 +13,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from vllm_dflash.checkpoint import save_drafter
-from vllm_dflash.config import DFlashConfig, default_target_layer_ids, resolve_dtype
+from vllm_dflash.config import DFlashConfig, resolve_dtype
 from vllm_dflash.model import DFlashDrafter
 
 EOS_TOKEN = "<|endoftext|>"
@@ -119,6 +119,13 @@ def random_drafter(cfg: DFlashConfig, seed: int = 0) -> DFlashDrafter:
     return drafter
 
 
+def spread_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """Distinct ids over [0, T-2]. The published formula repeats ids on shallow tiny targets
+    (T=4 gives [1, 1]), and vLLM captures each aux layer once, so repeats break serving."""
+    last = num_target_layers - 2
+    return [round(i * last / max(num_features - 1, 1)) for i in range(num_features)]
+
+
 def write_random_drafter(
     out_dir: str | Path,
     target_dir: str | Path,
@@ -152,7 +159,7 @@ def write_random_drafter(
         block_size=block_size,
         mask_token_id=mask_id,
         target_layer_ids=target_layer_ids
-        or default_target_layer_ids(target["num_hidden_layers"], num_layers),
+        or spread_layer_ids(target["num_hidden_layers"], num_layers),
         num_target_layers=target["num_hidden_layers"],
     )
     drafter = random_drafter(cfg, seed).to(resolve_dtype(target.get("dtype", "float32")))
