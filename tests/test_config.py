@@ -118,7 +118,7 @@ def test_parse_errors() -> None:
         DFlashConfig.from_dict(d)
     d = qwen3_8b_b16()
     del d["dflash_config"]["mask_token_id"]
-    with pytest.raises(DFlashConfigError, match="missing dflash_config.mask_token_id.*fix"):
+    with pytest.raises(DFlashConfigError, match="missing mask_token_id \\(in dflash_config.*fix"):
         DFlashConfig.from_dict(d)
     d = qwen3_8b_b16() | {"rope_scaling": {"type": "yarn", "factor": 4.0}}
     with pytest.raises(DFlashConfigError, match="rope_scaling.rope_type is 'yarn'.*fix"):

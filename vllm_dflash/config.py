@@ -216,7 +216,7 @@ class DFlashConfig:
 def _required(d: dict[str, Any], key: str, dflash_config: dict[str, Any] | None = None) -> Any:
     value = _draft(d, dflash_config or {}, key)
     if value is None:
-        name = key if dflash_config is None else f"dflash_config.{key}"
+        name = key if dflash_config is None else f"{key} (in dflash_config or at the top level)"
         raise DFlashConfigError(
             f"config.json is missing {name}; fix: add {name} to config.json "
             "(every DFlash drafter config has it)"

@@ -37,6 +37,9 @@ def write_tokenizer(out_dir: str | Path, texts: list[str], vocab_size: int) -> T
 
     Ids 0 and 1 are the special tokens EOS_TOKEN and MASK_TOKEN; at most vocab_size tokens.
     """
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + 2:
+        raise ValueError(f"vocab_size {vocab_size} < {len(alphabet) + 2} (bytes + 2 specials)")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.BPE())
@@ -46,7 +49,7 @@ def write_tokenizer(out_dir: str | Path, texts: list[str], vocab_size: int) -> T
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=[EOS_TOKEN, MASK_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=alphabet,
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
