@@ -34,7 +34,8 @@ def _build_kwargs() -> dict:
     reason = "VLLM_DFLASH_BUILD_CUDA=0" if flag == "0" else _cuda_skip_reason()
     if reason is not None:
         if flag == "1":
-            sys.exit(f"vllm-dflash: VLLM_DFLASH_BUILD_CUDA=1 but cannot build CUDA kernels: {reason}")
+            sys.exit(f"vllm-dflash: VLLM_DFLASH_BUILD_CUDA=1 but cannot build CUDA kernels: "
+                     f"{reason}")
         print(f"vllm-dflash: skipping CUDA kernels: {reason}; Triton/torch paths will be used")
         return {}
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension

@@ -75,7 +75,8 @@ def draft_attention_reference(
 @triton.jit
 def _attend_tile(
     q, k_t, v, q_pos, k_pos, k_valid, m_i, l_i, acc, scale_log2, window,
-    CAUSAL: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, SLIDING: tl.constexpr, WIDEN_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step over a key tile: k_t [D, N], v [N, D], k_pos/k_valid [N]."""
     mask = k_valid[None, :]
@@ -84,6 +85,8 @@ def _attend_tile(
         mask &= diff >= 0
     if SLIDING:
         mask &= tl.abs(diff) < window
+    if WIDEN_DOT:
+        k_t = k_t.to(tl.float32)
     s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
     s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -91,7 +94,10 @@ def _attend_tile(
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    p = p.to(v.dtype)
+    if WIDEN_DOT:
+        p, v = p.to(tl.float32), v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -116,6 +122,7 @@ def _draft_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr,
     SLIDING: tl.constexpr,
+    WIDEN_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # grid (request, kv head, query tile). A tile holds BLOCK_Q queries x the GROUP query heads
@@ -139,6 +146,8 @@ def _draft_attention_kernel(
     q_mask = row_valid[:, None] & d_valid[None, :]
     q = tl.load(q_ptr + (q_start + qi)[:, None] * stride_qt + head[:, None] * stride_qh
                 + d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    if WIDEN_DOT:
+        q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
@@ -161,7 +170,8 @@ def _draft_attention_kernel(
         v = tl.load(kv_base[:, None] + (HEAD_DIM + d[None, :]) * stride_cd, mask=kv_mask,
                     other=0.0)
         m_i, l_i, acc = _attend_tile(q, k_t, v, q_pos, k_pos, k_valid, m_i, l_i, acc,
-                                     scale_log2, window, CAUSAL, SLIDING, DOT_PRECISION)
+                                     scale_log2, window, CAUSAL, SLIDING, WIDEN_DOT,
+                                     DOT_PRECISION)
 
     # The block's own keys (not in the cache).
     n_hi = q_len
@@ -177,11 +187,18 @@ def _draft_attention_kernel(
         v = tl.load(v_ptr + (q_start + j)[:, None] * stride_vt + kv_head * stride_vh
                     + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
         m_i, l_i, acc = _attend_tile(q, k_t, v, q_pos, ctx_len + j, k_valid, m_i, l_i, acc,
-                                     scale_log2, window, CAUSAL, SLIDING, DOT_PRECISION)
+                                     scale_log2, window, CAUSAL, SLIDING, WIDEN_DOT,
+                                     DOT_PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (q_start + qi)[:, None] * stride_ot + head[:, None] * stride_oh
              + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+# The Triton interpreter (TRITON_INTERPRET=1, the CPU tests) multiplies bf16 dot operands as raw
+# integers. There the operands, already rounded to their dtype, are widened to fp32 for tl.dot
+# (WIDEN_DOT): the same exact products that a bf16 tensor core accumulates in fp32.
+_INTERPRETED = triton.knobs.runtime.interpret
 
 
 def draft_attention_triton(
@@ -205,7 +222,8 @@ def draft_attention_triton(
     assert num_heads % num_kv_heads == 0 and kv_cache.shape[1] == num_kv_heads
     assert kv_cache.shape[3] == 2 * head_dim
     if max_query_len is None:
-        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_requests else 0
+        query_lens = query_start_loc.diff()
+        max_query_len = int(query_lens.max()) if num_requests else 0
     out = torch.empty_like(q)
     if max_query_len == 0:
         return out
@@ -230,6 +248,7 @@ def draft_attention_triton(
         BLOCK_SIZE=kv_cache.shape[2],
         CAUSAL=causal,
         SLIDING=sliding_window is not None,
+        WIDEN_DOT=_INTERPRETED,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out

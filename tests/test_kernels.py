@@ -1,0 +1,360 @@
+"""Kernel tests.
+
+- The torch references against naive dense computations (in this process).
+- The Triton kernels against the references under TRITON_INTERPRET=1. Triton reads that variable
+  when a kernel is decorated, so these checks run this file as a script in a fresh subprocess
+  with the variable set: they work alone, in the full suite, and after anything imported
+  vllm or Triton.
+- The CUDA sources compile with nvcc (skipped without nvcc).
+
+Batches are ragged (different query and context lengths, empty contexts), block tables are
+shuffled and the caches are strided views, as vLLM builds them.
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_dflash.kernels.draft_attention import (
+    draft_attention,
+    draft_attention_reference,
+    draft_attention_triton,
+)
+from vllm_dflash.kernels.kv_injection import (
+    kv_injection,
+    kv_injection_reference,
+    kv_injection_triton,
+)
+from vllm_dflash.layers import rope_cos_sin_cache
+
+REPO = Path(__file__).resolve().parents[1]
+THETA = 10000.0
+EPS = 1e-6
+MASKS = [(False, None), (True, None), (False, 7), (True, 7), (False, 80), (True, 80)]
+TOLERANCES = {
+    torch.float32: {"atol": 2e-5, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 3e-2, "rtol": 2e-2},
+}
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+def paged_cache(
+    num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype,
+    layout: str, gen: torch.Generator,
+) -> torch.Tensor:
+    """Random cache of logical shape [num_blocks, Hkv, block_size, 2D] stored in `layout`."""
+    width = 2 * head_dim
+    if layout == "contiguous":
+        cache = torch.empty(num_blocks, num_kv_heads, block_size, width, dtype=dtype)
+    elif layout == "permuted":  # [num_blocks, block_size, Hkv, 2D] storage
+        cache = torch.empty(num_blocks, block_size, num_kv_heads, width, dtype=dtype)
+        cache = cache.permute(0, 2, 1, 3)
+    elif layout == "padded":  # rows longer than 2D
+        cache = torch.empty(num_blocks, num_kv_heads, block_size, width + 8, dtype=dtype)
+        cache = cache[..., :width]
+    elif layout == "strided_dim":  # innermost stride 2
+        cache = torch.empty(num_blocks, num_kv_heads, block_size, width, 2, dtype=dtype)[..., 0]
+    else:
+        raise ValueError(layout)
+    cache.copy_(torch.randn(cache.shape, generator=gen))
+    return cache
+
+
+def attention_batch(
+    context_lens: Sequence[int], query_lens: Sequence[int], num_heads: int, num_kv_heads: int,
+    head_dim: int, dtype: torch.dtype, layout: str, seed: int = 0, block_size: int = 4,
+) -> dict:
+    """Arguments of draft_attention_* (without scale / mask flags) for a ragged batch."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [math.ceil(c / block_size) for c in context_lens]
+    num_blocks = sum(blocks_needed) + 3
+    # Unused entries hold valid but wrong block ids: reading them would show as a mismatch.
+    block_table = torch.randint(0, num_blocks, (len(context_lens), max(blocks_needed) + 2),
+                                generator=gen, dtype=torch.int32)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    for r, n in enumerate(blocks_needed):
+        block_table[r, :n] = torch.tensor(free[:n], dtype=torch.int32)
+        free = free[n:]
+    num_tokens = sum(query_lens)
+    # q/k/v as strided views of one fused qkv projection output
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    q, k, v = qkv.to(dtype).split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    return {
+        "q": q.view(num_tokens, num_heads, head_dim),
+        "k": k.view(num_tokens, num_kv_heads, head_dim),
+        "v": v.view(num_tokens, num_kv_heads, head_dim),
+        "kv_cache": paged_cache(num_blocks, num_kv_heads, block_size, head_dim, dtype, layout, gen),
+        "block_table": block_table,
+        "context_lens": torch.tensor(context_lens, dtype=torch.int32),
+        "query_start_loc": torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()],
+                                        dtype=torch.int32),
+    }
+
+
+def injection_batch(
+    num_tokens: int, hidden: int, num_layers: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype, layouts: Sequence[str], seed: int = 0, block_size: int = 4,
+) -> dict:
+    """Arguments of kv_injection_* for `num_tokens` tokens, a few of them padding (slot -1)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = math.ceil(num_tokens / block_size) + 4
+    max_pos = 200
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::5] = -1
+    weight = torch.randn(num_layers * 2 * num_kv_heads * head_dim, hidden, generator=gen)
+    return {
+        "ctx": torch.randn(num_tokens, hidden, generator=gen).to(dtype),
+        "positions": torch.randint(0, max_pos, (num_tokens,), generator=gen),
+        "slot_mapping": slots,
+        "kv_weight": (weight / math.sqrt(hidden)).to(dtype),
+        "k_norm_weight": (torch.rand(num_layers, head_dim, generator=gen) + 0.5).to(dtype),
+        "eps": EPS,
+        "cos_sin_cache": rope_cos_sin_cache(head_dim, max_pos, THETA),
+        "kv_caches": [paged_cache(num_blocks, num_kv_heads, block_size, head_dim, dtype,
+                                  layouts[i % len(layouts)], gen) for i in range(num_layers)],
+    }
+
+
+def with_cache_copies(args: dict) -> dict:
+    """The same arguments with fresh copies (same strides) of the caches."""
+    copies = []
+    for cache in args["kv_caches"]:
+        copy = torch.empty_strided(cache.shape, cache.stride(), dtype=cache.dtype)
+        copies.append(copy.copy_(cache))
+    return {**args, "kv_caches": copies}
+
+
+# ---------------------------------------------------------------------------- naive oracles
+
+
+def naive_draft_attention(
+    q, k, v, kv_cache, block_table, context_lens, query_start_loc, scale, causal, sliding_window
+) -> torch.Tensor:
+    """Token by token, head by head, in float64."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // k.shape[1]
+    block_size = kv_cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for r in range(len(context_lens)):
+        ctx_len = int(context_lens[r])
+        start, end = int(query_start_loc[r]), int(query_start_loc[r + 1])
+        keys, values = [], []
+        for pos in range(ctx_len):
+            row = kv_cache[int(block_table[r, pos // block_size]), :, pos % block_size]
+            keys.append(row[:, :head_dim])
+            values.append(row[:, head_dim:])
+        keys = torch.stack(keys + list(k[start:end])).double()
+        values = torch.stack(values + list(v[start:end])).double()
+        for i in range(end - start):
+            q_pos = ctx_len + i
+            visible = torch.tensor([
+                (not causal or k_pos <= q_pos)
+                and (sliding_window is None or abs(q_pos - k_pos) < sliding_window)
+                for k_pos in range(len(keys))
+            ])
+            for h in range(num_heads):
+                scores = keys[:, h // group] @ q[start + i, h].double() * scale
+                scores[~visible] = float("-inf")
+                out[start + i, h] = torch.softmax(scores, 0) @ values[:, h // group]
+    return out
+
+
+def naive_kv_injection(
+    ctx, positions, slot_mapping, kv_weight, k_norm_weight, eps, cos_sin_cache, kv_caches
+) -> None:
+    """Per token and layer, separate k/v projections, float64, angles from THETA."""
+    num_layers, head_dim = k_norm_weight.shape
+    num_kv_heads, block_size = kv_caches[0].shape[1], kv_caches[0].shape[2]
+    weight = kv_weight.double().view(num_layers, 2, num_kv_heads, head_dim, -1)
+    inv_freq = THETA ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    half = head_dim // 2
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        angle = float(positions[t]) * inv_freq
+        cos, sin = angle.cos(), angle.sin()
+        x = ctx[t].double()
+        for layer, cache in enumerate(kv_caches):
+            key = weight[layer, 0] @ x
+            value = weight[layer, 1] @ x
+            key = key / (key.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+            key = key * k_norm_weight[layer].double()
+            x1, x2 = key[:, :half], key[:, half:]
+            key = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+            cache[slot // block_size, :, slot % block_size] = torch.cat([key, value], -1).to(
+                cache.dtype)
+
+
+# ---------------------------------------------------------------------------- references
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("causal,sliding_window", MASKS)
+def test_draft_attention_reference_matches_naive(group: int, causal: bool,
+                                                 sliding_window: int | None) -> None:
+    args = attention_batch([0, 5, 13, 70], [3, 1, 4, 6], 2 * group, 2, 16, torch.float32,
+                           "permuted", seed=group)
+    out = draft_attention_reference(**args, scale=0.25, causal=causal,
+                                    sliding_window=sliding_window)
+    expected = naive_draft_attention(**args, scale=0.25, causal=causal,
+                                     sliding_window=sliding_window)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_draft_attention_reference_bf16() -> None:
+    args = attention_batch([9, 0], [4, 2], 4, 1, 16, torch.bfloat16, "padded")
+    out = draft_attention_reference(**args, scale=0.25, causal=False, sliding_window=None)
+    expected = naive_draft_attention(**args, scale=0.25, causal=False, sliding_window=None)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_kv_injection_reference_matches_naive() -> None:
+    args = injection_batch(11, 24, 3, 2, 16, torch.float32, ["permuted", "padded", "contiguous"])
+    expected = with_cache_copies(args)
+    kv_injection_reference(**args)
+    naive_kv_injection(**expected)
+    for got, want in zip(args["kv_caches"], expected["kv_caches"]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_dispatch_on_cpu_uses_torch_fallbacks() -> None:
+    args = injection_batch(6, 24, 2, 2, 16, torch.float32, ["permuted"])
+    expected = with_cache_copies(args)
+    kv_injection(**args)
+    kv_injection_reference(**expected)
+    for got, want in zip(args["kv_caches"], expected["kv_caches"]):
+        assert torch.equal(got, want)
+    batch = attention_batch([3, 8], [2, 5], 4, 2, 16, torch.float32, "permuted")
+    torch.testing.assert_close(
+        draft_attention(**batch, scale=0.25, causal=True, sliding_window=None),
+        draft_attention_reference(**batch, scale=0.25, causal=True, sliding_window=None),
+        atol=0, rtol=0,
+    )
+
+
+# ---------------------------------------------------------------------------- Triton (interpreted)
+
+
+def check_triton_draft_attention() -> None:
+    """Triton == reference on a ragged batch: masks x GQA 1/4 in fp32, some in bf16, layouts."""
+    context_lens, query_lens = [0, 5, 133], [3, 20, 16]  # 20 > one query tile at GQA 4
+    layouts = ["permuted", "padded", "strided_dim"]
+    cases = [(torch.float32, group, mask) for group in (1, 4) for mask in MASKS]
+    cases += [(torch.bfloat16, 1, MASKS[0]), (torch.bfloat16, 4, MASKS[0]),
+              (torch.bfloat16, 4, MASKS[3])]
+    for i, (dtype, group, (causal, window)) in enumerate(cases):
+        layout = layouts[i % len(layouts)]
+        args = attention_batch(context_lens, query_lens, 2 * group, 2, 32, dtype, layout, seed=i)
+        flags = {"scale": 32**-0.5, "causal": causal, "sliding_window": window}
+        torch.testing.assert_close(draft_attention_triton(**args, **flags),
+                                   draft_attention_reference(**args, **flags), **TOLERANCES[dtype])
+    # head_dim 48 (padded to 64 in the kernel), 3 heads; max_query_len given by the caller
+    args = attention_batch([10, 3], [5, 2], 3, 3, 48, torch.float32, "permuted")
+    flags = {"scale": 0.1, "causal": False, "sliding_window": None}
+    torch.testing.assert_close(draft_attention_triton(**args, **flags, max_query_len=5),
+                               draft_attention_reference(**args, **flags),
+                               **TOLERANCES[torch.float32])
+
+
+def check_triton_kv_injection() -> None:
+    """Triton == reference: a different cache layout per layer, padding slots, odd head counts."""
+    layouts = ["permuted", "padded", "strided_dim", "contiguous"]
+    for dtype, num_kv_heads, head_dim in ((torch.float32, 2, 32), (torch.float32, 3, 48),
+                                          (torch.bfloat16, 2, 32)):
+        args = injection_batch(9, 40, 4, num_kv_heads, head_dim, dtype, layouts)
+        expected = with_cache_copies(args)
+        kv_injection_triton(**args)
+        kv_injection_reference(**expected)
+        for got, want in zip(args["kv_caches"], expected["kv_caches"]):
+            torch.testing.assert_close(got, want, **TOLERANCES[dtype])
+
+
+INTERPRETED_CHECKS = {
+    "draft_attention": check_triton_draft_attention,
+    "kv_injection": check_triton_kv_injection,
+}
+
+
+def run_interpreted_checks(result_path: str) -> None:
+    """Script entry (TRITON_INTERPRET=1 set by the caller): each check's "ok" or traceback."""
+    results = {}
+    for name, check in INTERPRETED_CHECKS.items():
+        try:
+            check()
+            results[name] = "ok"
+        except Exception:  # noqa: BLE001 (any failure is this check's result)
+            results[name] = traceback.format_exc()
+    Path(result_path).write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interpreted_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Runs this file as a script in a fresh interpreter-mode process, once for all checks."""
+    result_path = tmp_path_factory.mktemp("interpreted") / "results.json"
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=pythonpath)
+    proc = subprocess.run([sys.executable, __file__, str(result_path)], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0 and result_path.exists(), proc.stdout + proc.stderr
+    return json.loads(result_path.read_text())
+
+
+@pytest.mark.parametrize("kernel", list(INTERPRETED_CHECKS))
+def test_triton_matches_reference_interpreted(kernel: str,
+                                              interpreted_results: dict[str, str]) -> None:
+    assert interpreted_results[kernel] == "ok", interpreted_results[kernel]
+
+
+# ---------------------------------------------------------------------------- CUDA sources
+
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH: CUDA sources not compiled")
+def test_cuda_sources_compile(tmp_path: Path) -> None:
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [*include_paths(), sysconfig.get_paths()["include"], str(REPO / "csrc")]
+    if not Path(includes[0], "c10/cuda/impl/cuda_cmake_macros.h").exists():
+        # A CPU build of torch ships the c10/cuda headers but not this generated one.
+        stub = tmp_path / "stub" / "c10" / "cuda" / "impl"
+        stub.mkdir(parents=True)
+        macros = "#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n"
+        (stub / "cuda_cmake_macros.h").write_text(macros)
+        includes.append(str(tmp_path / "stub"))
+    flags = ["-std=c++20", "-DTORCH_EXTENSION_NAME=_C", *[f"-I{p}" for p in includes]]
+    objects = {src: tmp_path / f"{src}.o" for src in ("kv_injection.cu", "torch_bindings.cpp")}
+    procs = [subprocess.Popen([NVCC, "-c", str(REPO / "csrc" / src), "-o", str(obj), *flags],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for src, obj in objects.items()]
+    for proc in procs:
+        output = proc.communicate(timeout=600)[0]
+        assert proc.returncode == 0, output
+    nm = shutil.which("nm")
+    if nm is not None:  # every launcher the bindings call is instantiated in the .cu
+        def symbols(obj: Path, which: str) -> set[str]:
+            out = subprocess.run([nm, "-C", which, str(obj)], capture_output=True, text=True,
+                                 check=True)
+            return {line[line.index("launch_kv_injection"):] for line in out.stdout.splitlines()
+                    if "launch_kv_injection" in line}
+
+        needed = symbols(objects["torch_bindings.cpp"], "--undefined-only")
+        assert needed and needed <= symbols(objects["kv_injection.cu"], "--defined-only")
+
+
+if __name__ == "__main__":
+    run_interpreted_checks(sys.argv[1])
