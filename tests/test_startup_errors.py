@@ -13,7 +13,7 @@ def pair(tmp_path_factory):
     return make_pair(tmp_path_factory.mktemp("pair"))
 
 
-def edited_drafter(pair, tmp_path, edit):  # noqa: ANN001, ANN201
+def edited_drafter(pair, tmp_path, edit):
     """A copy of the pair whose drafter config.json went through edit(dict)."""
     drafter = tmp_path / "drafter"
     shutil.copytree(pair.drafter, drafter)
@@ -32,7 +32,7 @@ def error_text(excinfo: pytest.ExceptionInfo) -> str:
     return "\n".join(texts)
 
 
-def set_layer_ids(ids):  # noqa: ANN001, ANN201
+def set_layer_ids(ids):
     return lambda c: c["dflash_config"].update(target_layer_ids=ids)
 
 

@@ -43,7 +43,7 @@ class LogLines(logging.Handler):
 
 @pytest.fixture(scope="module")
 def startup_log():
-    import vllm  # noqa: F401  (vLLM's logging set-up resets handlers of its child loggers)
+    import vllm.logger  # noqa: F401  (its logging set-up resets handlers of child loggers)
 
     handler = LogLines()
     logging.getLogger("vllm.vllm_dflash").addHandler(handler)
@@ -59,7 +59,9 @@ def baseline(pair):
 
 
 @pytest.fixture(scope="module")
-def full_block(pair, startup_log):
+def full_block(pair, baseline, startup_log):
+    # Built after `baseline`: each in-process engine re-registers vLLM's Prometheus metrics, so
+    # the engine built last is the one get_metrics() reads.
     llm = dflash_llm(pair, pair.block_size - 1)
     yield llm
     del llm
@@ -90,8 +92,8 @@ def test_stop_token_ids_and_strings(baseline, full_block, prompts):
     stop_ids = sorted({out[len(out) // 2] for out in plain if len(out) > 2})
     kwargs = {"max_tokens": 30, "stop_token_ids": stop_ids}
     assert generate_ids(full_block, prompts, **kwargs) == generate_ids(baseline, prompts, **kwargs)
-    want = baseline.generate(prompts, _params(max_tokens=30, stop=["e", "\n"]))
-    got = full_block.generate(prompts, _params(max_tokens=30, stop=["e", "\n"]))
+    want = baseline.generate(prompts, _params(max_tokens=30, temperature=0.0, stop=["e", "\n"]))
+    got = full_block.generate(prompts, _params(max_tokens=30, temperature=0.0, stop=["e", "\n"]))
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 

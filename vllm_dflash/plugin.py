@@ -82,7 +82,7 @@ def _patch_runner() -> None:
 
 
 def use_dflash_verification() -> None:
-    """Route vLLM's rejection sampling through vllm-dflash's verification kernel.
+    """Route vLLM's rejection sampling through vllm-dflash's verification kernel; idempotent.
 
     Called by the proposer when an engine uses it; vLLM's RejectionSampler keeps its logits
     processing, bonus sampling, logprobs and metrics, only the accept/reject walk is ours.
@@ -91,7 +91,19 @@ def use_dflash_verification() -> None:
 
     from vllm_dflash.kernels.verify import vllm_rejection_sample
 
+    if rejection_sampler.rejection_sample is vllm_rejection_sample:
+        return
     rejection_sampler.rejection_sample = vllm_rejection_sample
+    constrain = rejection_sampler.apply_sampling_constraints
+
+    def apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata):
+        # vLLM 0.32 runs the rejection sampler on steps with zero draft rows (prefills); with
+        # top-k alone, its CPU top-k path then reduces an empty tensor and crashes.
+        if logits.shape[0] == 0:
+            return logits
+        return constrain(logits, cu_num_draft_tokens, sampling_metadata)
+
+    rejection_sampler.apply_sampling_constraints = apply_sampling_constraints
 
 
 def runner_name(runner: object) -> str:
