@@ -43,6 +43,7 @@ def _build_kwargs() -> dict:
     extension = CUDAExtension(
         name="vllm_dflash._C",
         sources=["csrc/torch_bindings.cpp", "csrc/kv_injection.cu"],
+        depends=["csrc/kv_injection.h"],
         extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
     )
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}
