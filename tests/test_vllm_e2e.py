@@ -119,12 +119,17 @@ def test_metrics_are_vllm_spec_decode_counters(full_block, prompts):
     assert m["accepted"] == sum(per_pos)
 
 
-def test_seeded_sampling_is_reproducible_and_respects_top_k(full_block, prompts):
-    params = _params(max_tokens=16, temperature=1.0, seed=7, top_k=3)
+@pytest.mark.parametrize("filters", [{"top_k": 3}, {"top_p": 0.9}, {"top_k": 5, "top_p": 0.8}])
+def test_seeded_sampling_is_reproducible(full_block, prompts, filters):
+    params = _params(max_tokens=16, temperature=1.0, seed=7, **filters)
     first = [o.outputs[0].token_ids for o in full_block.generate(prompts, params)]
     second = [o.outputs[0].token_ids for o in full_block.generate(prompts, params)]
     assert first == second
-    # top_k=1 leaves only the argmax: sampling must then equal greedy.
+    other = _params(max_tokens=16, temperature=1.0, seed=8, **filters)
+    assert [o.outputs[0].token_ids for o in full_block.generate(prompts, other)] != first
+
+
+def test_top_k_1_sampling_equals_greedy(full_block, prompts):
     greedy = generate_ids(full_block, prompts, max_tokens=16)
     top1 = full_block.generate(prompts, _params(max_tokens=16, temperature=1.0, seed=3, top_k=1))
     assert [list(o.outputs[0].token_ids) for o in top1] == greedy

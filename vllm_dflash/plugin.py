@@ -7,6 +7,8 @@ vLLM loads `register()` through the `vllm.general_plugins` entry point in every 
 import logging
 import os
 
+import torch
+
 logger = logging.getLogger("vllm.vllm_dflash")  # inherits vLLM's log handler
 
 SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
@@ -94,16 +96,39 @@ def use_dflash_verification() -> None:
     if rejection_sampler.rejection_sample is vllm_rejection_sample:
         return
     rejection_sampler.rejection_sample = vllm_rejection_sample
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        # vLLM 0.32's CPU expand kernel writes into an int64 copy of a float32/int32 output
+        # (`_ensure_int64(output)`), so per-request temperature, top_k and top_p reach the
+        # rejection sampler as uninitialised memory: sampling breaks for every spec method.
+        rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
     constrain = rejection_sampler.apply_sampling_constraints
 
     def apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata):
-        # vLLM 0.32 runs the rejection sampler on steps with zero draft rows (prefills); with
-        # top-k alone, its CPU top-k path then reduces an empty tensor and crashes.
+        # vLLM 0.32 runs the rejection sampler on steps with zero draft rows (prefills); its
+        # top-k-only path then reduces an empty tensor and crashes. Zero rows need nothing.
         if logits.shape[0] == 0:
             return logits
         return constrain(logits, cu_num_draft_tokens, sampling_metadata)
 
     rejection_sampler.apply_sampling_constraints = apply_sampling_constraints
+
+
+def expand_batch_to_tokens(
+    x: torch.Tensor,
+    cu_num_tokens: torch.Tensor,
+    num_tokens: int,
+    replace_from: int = 0,
+    replace_to: int = 0,
+) -> torch.Tensor:
+    """vLLM's `expand_batch_to_tokens` in torch: x [B] -> [num_tokens], one row per draft token
+    of each request; values equal to replace_from become replace_to."""
+    counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
+    out = x.repeat_interleave(counts.long(), output_size=num_tokens)
+    if replace_from != replace_to:
+        out = out.masked_fill(out == replace_from, replace_to)
+    return out
 
 
 def runner_name(runner: object) -> str:

@@ -1,0 +1,141 @@
+"""`vllm serve` with the plugin on 127.0.0.1: the OpenAI endpoints give the same greedy text as a
+server without speculation, streaming or not, and /metrics shows vLLM's spec-decode counters."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from tests.engines import MAX_MODEL_LEN, make_pair
+
+START_TIMEOUT_S = 600  # two servers start side by side on a 2-core machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: str, speculative_config: dict | None, log_path: str) -> None:
+        self.port = free_port()
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+            "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
+        ]
+        if speculative_config:
+            cmd += ["--speculative-config", json.dumps(speculative_config)]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+               "OMP_NUM_THREADS": "1"}
+        self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop())
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log.name}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5):
+                    return
+            except OSError:
+                time.sleep(2)
+        raise TimeoutError(f"server not ready in {START_TIMEOUT_S} s: {self.log.name}")
+
+    def post(self, path: str, body: dict) -> bytes:
+        request = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.read()
+
+    def get(self, path: str) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=30) as response:
+            return response.read().decode()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    pair = make_pair(root)
+    spec = {"method": "dflash", "model": str(pair.drafter), "num_speculative_tokens": 7}
+    started = [Server(str(pair.target), None, str(root / "plain.log")),
+               Server(str(pair.target), spec, str(root / "dflash.log"))]
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for server in started:
+            server.wait_ready(deadline)
+        yield started
+    finally:
+        for server in started:
+            server.stop()
+
+
+def completion_text(server: Server, stream: bool) -> str:
+    body = {"model": server_model(server), "prompt": "def fibonacci(n):", "max_tokens": 40,
+            "temperature": 0.0, "stream": stream}
+    raw = server.post("/v1/completions", body)
+    if not stream:
+        return json.loads(raw)["choices"][0]["text"]
+    return "".join(chunk["choices"][0]["text"] for chunk in sse_chunks(raw))
+
+
+def chat_text(server: Server, stream: bool) -> str:
+    body = {"model": server_model(server), "max_tokens": 40, "temperature": 0.0,
+            "stream": stream, "messages": [{"role": "user", "content": "Write a loop."}]}
+    raw = server.post("/v1/chat/completions", body)
+    if not stream:
+        return json.loads(raw)["choices"][0]["message"]["content"]
+    return "".join(
+        chunk["choices"][0]["delta"].get("content") or ""
+        for chunk in sse_chunks(raw) if chunk["choices"]
+    )
+
+
+def sse_chunks(raw: bytes) -> list[dict]:
+    lines = [line[len("data: "):] for line in raw.decode().splitlines() if line.startswith("data: ")]
+    return [json.loads(line) for line in lines if line != "[DONE]"]
+
+
+def server_model(server: Server) -> str:
+    return json.loads(server.get("/v1/models"))["data"][0]["id"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_equal_no_speculation(servers, stream):
+    plain, dflash = servers
+    assert completion_text(dflash, stream) == completion_text(plain, stream)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_completions_equal_no_speculation(servers, stream):
+    plain, dflash = servers
+    assert chat_text(dflash, stream) == chat_text(plain, stream)
+
+
+def test_metrics_show_spec_decode_counters(servers):
+    _, dflash = servers
+    completion_text(dflash, stream=False)
+    metrics = dflash.get("/metrics")
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                 "num_accepted_tokens_per_pos"):
+        assert f"vllm:spec_decode_{name}" in metrics
+    drafts = [line for line in metrics.splitlines()
+              if line.startswith("vllm:spec_decode_num_drafts_total")]
+    assert drafts and float(drafts[0].split()[-1]) > 0
