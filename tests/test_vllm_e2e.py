@@ -146,9 +146,12 @@ def test_smaller_k_equals_no_speculation(pair, baseline, prompts, k):
         del llm
 
 
-def test_preemption_keeps_greedy_output(pair, baseline, prompts):
-    # Few KV blocks for 8 long requests: the scheduler must preempt and recompute.
-    llm = dflash_llm(pair, pair.block_size - 1, num_gpu_blocks_override=10)
+def test_preemption_and_chunked_prefill_keep_greedy_output(pair, baseline, prompts):
+    # Few KV blocks for 8 long requests: the scheduler must preempt and recompute; a 64-token
+    # step budget splits every long prompt into chunks, mixed with other requests' drafts.
+    llm = dflash_llm(
+        pair, pair.block_size - 1, num_gpu_blocks_override=10, max_num_batched_tokens=64
+    )
     try:
         want = generate_ids(baseline, prompts, max_tokens=48)
         assert generate_ids(llm, prompts, max_tokens=48) == want
