@@ -168,7 +168,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         logger.info(
             "vllm-dflash: implementation=vllm-dflash (vllm_dflash.proposer.DFlashProposer), "
             "runner=%s, block_size=%d, num_speculative_tokens=%d, draft layers=%d",
-            plugin.runner_name(runner) if runner is not None else "none",
+            plugin.runner_name(runner),
             self.dflash_config.block_size,
             self.num_speculative_tokens,
             self.dflash_config.num_layers,
@@ -285,6 +285,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
                 q, k, v, self.kv_layers[layer].kv_cache, batch.block_table,
                 batch.context_lens, batch.query_start_loc, scale,
                 causal=cfg.layer_is_causal(layer), sliding_window=cfg.layer_window(layer),
+                max_query_len=self.block_len,  # known on the host: no device sync for the grid
             )
 
         return attend
