@@ -162,6 +162,7 @@ def line_prompts(
 ) -> list[str]:
     """count prompts of whole consecutive lines, 32-64 tokens, from random places in texts."""
     rng = random.Random(seed)
+    texts = [t for t in texts if t.strip()]
     prompts: list[str] = []
     while len(prompts) < count:
         lines = rng.choice(texts).splitlines(keepends=True)
@@ -247,7 +248,9 @@ def measure_saved(
     lines = heldout.read_text().splitlines()
     prompts = [tokenizer(json.loads(line)["prompt"])["input_ids"] for line in lines]
     return {
-        tokens: round(mean_acceptance_length(drafter, target, prompts, tokens), 3)
+        f"acceptance_length_{tokens}_new_tokens": round(
+            mean_acceptance_length(drafter, target, prompts, tokens), 3
+        )
         for tokens in (64, 128)
     }
 
