@@ -70,6 +70,7 @@ def register() -> None:
         return
     require_v1_runner()
     _patch_runner()
+    _patch_engine_args()
     _registered = True
 
 
@@ -81,6 +82,42 @@ def _patch_runner() -> None:
     from vllm_dflash.proposer import DFlashProposer
 
     gpu_model_runner.DFlashProposer = DFlashProposer
+
+
+def _patch_engine_args() -> None:
+    # Check a `method: "dflash"` config where vLLM builds it, in the caller's process: a bad
+    # drafter then fails LLM() / `vllm serve` with vllm-dflash's message before any engine
+    # process starts, not as "Engine core initialization failed" after one did.
+    from vllm.engine.arg_utils import EngineArgs
+
+    create = EngineArgs.create_speculative_config
+    if getattr(create, "vllm_dflash", False):
+        return
+
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        spec = self.speculative_config if isinstance(self.speculative_config, dict) else {}
+        method = self.spec_method or spec.get("method")
+        if method == "dflash" and not (self.spec_model or spec.get("model")):
+            raise DFlashSetupError(
+                'speculative config has method "dflash" but no "model"; set "model" to the '
+                "DFlash drafter checkpoint (a directory with config.json and *.safetensors, or "
+                'a hub id), e.g. {"method": "dflash", "model": "z-lab/Qwen3-8B-DFlash-b16", '
+                '"num_speculative_tokens": 15}.'
+            )
+        config = create(self, target_model_config, target_parallel_config)
+        if config is not None and config.method == "dflash":
+            from pathlib import Path
+
+            from vllm_dflash.proposer import check_weight_shapes, validate_speculative_config
+
+            drafter_dir = config.draft_model_config.model
+            if Path(drafter_dir).is_dir():  # anything else is left to the worker
+                cfg = validate_speculative_config(config, target_model_config)
+                check_weight_shapes(drafter_dir, cfg)
+        return config
+
+    create_speculative_config.vllm_dflash = True
+    EngineArgs.create_speculative_config = create_speculative_config
 
 
 def use_dflash_verification() -> None:

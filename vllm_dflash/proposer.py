@@ -15,6 +15,7 @@ with the request like any attention layer's.
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -30,12 +31,12 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
-from vllm_dflash import plugin
+from vllm_dflash import checkpoint, plugin
 from vllm_dflash.checkpoint import load_drafter
 from vllm_dflash.config import DFlashConfig, DFlashConfigError, validate_against_target
 from vllm_dflash.kernels.draft_attention import draft_attention
 from vllm_dflash.kernels.kv_injection import kv_injection
-from vllm_dflash.model import Attend
+from vllm_dflash.model import Attend, DFlashDrafter
 
 logger = logging.getLogger("vllm.vllm_dflash")  # inherits vLLM's log handler
 
@@ -111,8 +112,15 @@ class DraftKVBackend(AttentionBackend):
 
 def load_validated_config(vllm_config: VllmConfig) -> DFlashConfig:
     """Parse the drafter's config and check it against the target before any weight loads."""
-    spec = vllm_config.speculative_config
-    target = vllm_config.model_config
+    return validate_speculative_config(vllm_config.speculative_config, vllm_config.model_config)
+
+
+def validate_speculative_config(spec: Any, target: Any) -> DFlashConfig:
+    """Check a `method: "dflash"` SpeculativeConfig against the target's ModelConfig.
+
+    Runs in the worker before the drafter loads, and earlier in the front-end process at
+    config time (plugin.py), where an error reaches the caller before any engine starts.
+    """
     cfg = DFlashConfig.from_pretrained(spec.draft_model_config.model)
     validate_against_target(
         cfg,
@@ -136,6 +144,25 @@ def load_validated_config(vllm_config: VllmConfig) -> DFlashConfig:
             "stay exactly distribution-preserving with greedy drafts)."
         )
     return cfg
+
+
+def check_weight_shapes(path: str | Path, cfg: DFlashConfig) -> None:
+    """Weight names and shapes against cfg, from the safetensors headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        checkpoint._read_weights(path)  # raises its "no *.safetensors files" error
+    state = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open has keys(), no __iter__)
+                if not key.startswith(checkpoint.SHARED_PREFIXES):
+                    state[key] = torch.empty(f.get_slice(key).get_shape(), device="meta")
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg)
+    checkpoint._check_weights(drafter, state, path)
 
 
 class DFlashProposer(SpecDecodeBaseProposer):
