@@ -24,7 +24,7 @@ from vllm_dflash.train.data import load_examples
 from vllm_dflash.train.evaluate import speculative_greedy
 from vllm_dflash.train.features import load_target
 from vllm_dflash.train.forward import draft_logits
-from vllm_dflash.train.trainer import Trainer, TrainConfig, config_from_args, drafter_config
+from vllm_dflash.train.trainer import TrainConfig, Trainer, config_from_args, drafter_config
 
 TEXT = (Path(os.__file__).parent / "textwrap.py").read_text()
 
@@ -81,9 +81,13 @@ def test_packed_blocks_equal_one_block_at_a_time(drafter, target):
     for a, p in enumerate(anchors.tolist()):
         one = slice(a * B, (a + 1) * B)
         alone = draft_logits(
-            drafter, features[:p], block_ids[one], positions[one],
-            torch.ones(B, p + B, dtype=torch.bool), *weights,
-        )  # fmt: skip
+            drafter,
+            features[:p],
+            block_ids[one],
+            positions[one],
+            torch.ones(B, p + B, dtype=torch.bool),
+            *weights,
+        )
         torch.testing.assert_close(packed[one], alone, atol=1e-5, rtol=1e-4)
 
 
@@ -98,8 +102,9 @@ def test_block_inputs():
 def test_sample_anchors_in_response_and_distinct():
     gen = torch.Generator().manual_seed(0)
     for _ in range(50):
-        anchors = sample_anchors(response_start=30, seq_len=100, block_size=8, num_anchors=16,
-                                 gen=gen)  # fmt: skip
+        anchors = sample_anchors(
+            response_start=30, seq_len=100, block_size=8, num_anchors=16, gen=gen
+        )
         assert len(anchors) == 16 and len(set(anchors.tolist())) == 16
         assert anchors.equal(anchors.sort().values)
         assert anchors.min() >= 30 and anchors.max() + 8 <= 100
@@ -131,8 +136,12 @@ def test_load_examples(target_dir, tmp_path):
     tok = AutoTokenizer.from_pretrained(target_dir)
     jsonl = tmp_path / "data.jsonl"
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
-    jsonl.write_text(json.dumps({"prompt": "def f():", "response": " pass"}) + "\n"
-                     + json.dumps({"messages": messages}) + "\n")  # fmt: skip
+    jsonl.write_text(
+        json.dumps({"prompt": "def f():", "response": " pass"})
+        + "\n"
+        + json.dumps({"messages": messages})
+        + "\n"
+    )
     plain, chat = load_examples(tok, jsonl, 8, 8)
     assert tok.decode(plain.prompt_ids) == "def f():" and tok.decode(plain.response_ids) == " pass"
     assert tok.decode(chat.prompt_ids) == "user: hi\nassistant: "
@@ -141,28 +150,64 @@ def test_load_examples(target_dir, tmp_path):
     (tmp_path / "texts" / "a.txt").write_text(TEXT[:3000])
     windows = load_examples(tok, tmp_path / "texts", 16, 48)
     assert len(windows) > 2 and all(len(w.prompt_ids) == 16 for w in windows)
-    joined = sum((w.prompt_ids + w.response_ids for w in windows), [])
+    joined = [t for w in windows for t in w.prompt_ids + w.response_ids]
     assert joined == tok(TEXT[:3000])["input_ids"][: len(joined)]  # a tail without response goes
 
 
 def test_speculative_greedy_equals_greedy_decoding(drafter, target):
     prompt = torch.randint(2, 500, (12,)).tolist()
     ids, lengths = speculative_greedy(drafter, target, prompt, max_new_tokens=20)
-    reference = target.generate(torch.tensor([prompt]), max_new_tokens=len(ids) - len(prompt),
-                                do_sample=False, eos_token_id=None)[0].tolist()  # fmt: skip
+    reference = target.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=len(ids) - len(prompt),
+        do_sample=False,
+        eos_token_id=None,
+    )[0].tolist()
     assert ids == reference and sum(lengths) == len(ids) - len(prompt) - 1
 
 
 def train_argv(target_dir: Path, tmp_path: Path, epochs: int) -> list[str]:
     data = tmp_path / "data.jsonl"
     step = 500
-    records = [{"prompt": TEXT[i : i + 150], "response": TEXT[i + 150 : i + step]}
-               for i in range(0, 10 * step, step)]  # fmt: skip
+    records = [
+        {"prompt": TEXT[i : i + 150], "response": TEXT[i + 150 : i + step]}
+        for i in range(0, 10 * step, step)
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return ["train", "--target", str(target_dir), "--data", str(data), "--out",
-            str(tmp_path / "drafter"), "--no-regenerate", "--epochs", str(epochs), "--lr", "3e-3",
-            "--batch-size", "2", "--seq-len", "160", "--anchors-per-seq", "12", "--layers", "1",
-            "--target-layer-ids", "1,2", "--eval-prompts", "1", "--eval-max-new-tokens", "8"]  # fmt: skip
+    return [
+        "train",
+        "--target",
+        str(target_dir),
+        "--data",
+        str(data),
+        "--out",
+        str(tmp_path / "drafter"),
+        "--no-regenerate",
+        "--epochs",
+        str(epochs),
+        "--lr",
+        "3e-3",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "160",
+        "--anchors-per-seq",
+        "12",
+        "--layers",
+        "1",
+        "--target-layer-ids",
+        "1,2",
+        "--eval-prompts",
+        "1",
+        "--eval-max-new-tokens",
+        "8",
+    ]
+
+
+def tokenizer_mask_id(target_dir: Path) -> int:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_dir).convert_tokens_to_ids(MASK_TOKEN)
 
 
 def test_train_smoke_loss_falls_and_checkpoint_loads(target_dir, tmp_path):
@@ -174,16 +219,10 @@ def test_train_smoke_loss_falls_and_checkpoint_loads(target_dir, tmp_path):
     assert losses[-1] < losses[0] - 0.2, losses
     drafter = load_drafter(cfg.out, torch.float32)
     assert drafter.cfg.block_size == 8 and drafter.cfg.target_layer_ids == [1, 2]
-    assert drafter.cfg.mask_token_id == load_target_tokenizer_mask(target_dir)
+    assert drafter.cfg.mask_token_id == tokenizer_mask_id(target_dir)
     reference, info = DFlashDraftModel.from_pretrained(cfg.out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert reference.target_layer_ids == [1, 2] and reference.block_size == 8
-
-
-def load_target_tokenizer_mask(target_dir: Path) -> int:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(target_dir).convert_tokens_to_ids(MASK_TOKEN)
 
 
 def test_resume_continues_exactly(target_dir, tmp_path):
@@ -200,5 +239,17 @@ def test_resume_continues_exactly(target_dir, tmp_path):
     resumed = Trainer(cfg)
     assert resumed.step == 3
     resumed.run()
-    for (name, a), b in zip(straight.drafter.state_dict().items(), resumed.drafter.state_dict().values()):
-        torch.testing.assert_close(a, b, msg=name)
+    resumed_state = resumed.drafter.state_dict()
+    for name, value in straight.drafter.state_dict().items():
+        torch.testing.assert_close(value, resumed_state[name], msg=name)
+
+
+def test_regenerate_is_the_targets_greedy_output(target_dir, target):
+    pytest.importorskip("vllm")
+    from vllm_dflash.train.regenerate import regenerate
+
+    prompts = [[5, 6, 7, 8, 9], [100, 200, 300]]
+    responses = regenerate(str(target_dir), prompts, max_tokens=10)
+    for prompt, response in zip(prompts, responses):
+        greedy = target.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)
+        assert response == greedy[0, len(prompt) :].tolist()
