@@ -253,3 +253,12 @@ def test_regenerate_is_the_targets_greedy_output(target_dir, target):
     for prompt, response in zip(prompts, responses):
         greedy = target.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)
         assert response == greedy[0, len(prompt) :].tolist()
+
+
+def test_training_without_responses_fails_clearly(target_dir, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": TEXT[:200]}) + "\n")
+    argv = ["train", "--target", str(target_dir), "--data", str(data), "--out", str(tmp_path)]
+    cfg = config_from_args(build_parser().parse_args(argv + ["--no-regenerate"]))
+    with pytest.raises(ValueError, match="no training sequence has a response"):
+        Trainer(cfg)

@@ -119,6 +119,16 @@ def training_sequences(cfg: TrainConfig, examples: list[Example]) -> list[Sequen
     return [Sequence((p + r)[: cfg.seq_len], len(p)) for p, r in zip(prompts, responses)]
 
 
+def check_room_for_blocks(sequences: list[Sequence], block_size: int) -> None:
+    """Fail early when no response is long enough for one block (the loss would stay empty)."""
+    if not any(len(s.token_ids) - max(s.response_start, 1) >= block_size for s in sequences):
+        raise ValueError(
+            f"no training sequence has a response of >= {block_size} tokens within --seq-len; "
+            "fix: raise --seq-len / --max-response-tokens, shorten the prompts, or add "
+            "responses (--regenerate, or a 'response' field with --no-regenerate)"
+        )
+
+
 def split_examples(
     cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase
 ) -> tuple[list[Example], list[list[int]]]:
@@ -221,6 +231,7 @@ class Trainer:
         tokenizer = AutoTokenizer.from_pretrained(cfg.target)
         examples, self.eval_prompts = split_examples(cfg, tokenizer)
         self.sequences = training_sequences(cfg, examples)
+        check_room_for_blocks(self.sequences, cfg.block_size)
         self.target = load_target(cfg.target, resolve_dtype(cfg.dtype), cfg.device)
         self.frozen = (
             self.target.get_input_embeddings().weight.float(),
