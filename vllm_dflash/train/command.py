@@ -27,30 +27,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help='JSONL of {"prompt"} / {"messages"} records, or a folder of text files',
     )
     p.add_argument("--out", required=True, help="output dir: drafter checkpoint + trainer state")
-    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--block-size", type=int, default=d.block_size, help="B: anchor + B-1 drafts")
     p.add_argument("--layers", type=int, default=d.layers, help="drafter decoder layers")
     p.add_argument(
         "--target-layer-ids",
         type=layer_ids,
         default=d.target_layer_ids,
-        help="comma-separated target layers to read (default: spread over the target)",
+        help="comma-separated target layers to read; None: spread over the target",
     )
     p.add_argument(
         "--mask-token-id",
         type=int,
         default=d.mask_token_id,
-        help="default: the tokenizer's <|mask|> token",
+        help="None: the tokenizer's <|mask|> token",
     )
-    p.add_argument("--epochs", type=int, default=d.epochs)
-    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--epochs", type=int, default=d.epochs, help="passes over the sequences")
+    p.add_argument("--lr", type=float, default=d.lr, help="AdamW peak learning rate")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="max prompt+response tokens")
-    p.add_argument("--anchors-per-seq", type=int, default=d.anchors_per_seq)
+    p.add_argument(
+        "--anchors-per-seq", type=int, default=d.anchors_per_seq, help="blocks per sequence"
+    )
     p.add_argument(
         "--gamma",
         type=float,
         default=d.gamma,
-        help="loss decay (default: 7 for B=16, 5 for B=10, 4 for B=8, else B/2-1)",
+        help="loss decay; None: 7 for B=16, 5 for B=10, 4 for B=8, else B/2-1",
     )
     p.add_argument("--warmup", type=float, default=d.warmup, help="warmup fraction of steps")
     p.add_argument(
@@ -59,7 +61,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=d.prompt_tokens,
         help="prompt length when --data is a folder of text files",
     )
-    p.add_argument("--max-response-tokens", type=int, default=d.max_response_tokens)
+    p.add_argument(
+        "--max-response-tokens",
+        type=int,
+        default=d.max_response_tokens,
+        help="response tokens regenerated (or kept) per prompt",
+    )
     p.add_argument(
         "--regenerate",
         action=argparse.BooleanOptionalAction,
@@ -85,7 +92,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--cache-dir",
         default=d.cache_dir,
-        help="disk cache of responses and target features (default: in memory)",
+        help="disk cache of responses and target features; None: in memory",
     )
     p.add_argument(
         "--eval-prompts",
@@ -96,10 +103,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--eval-data",
         default=d.eval_data,
-        help="file/folder of eval prompts (default: the last --eval-prompts of --data)",
+        help="file/folder of eval prompts; None: the last --eval-prompts of --data",
     )
-    p.add_argument("--eval-max-new-tokens", type=int, default=d.eval_max_new_tokens)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--eval-max-new-tokens",
+        type=int,
+        default=d.eval_max_new_tokens,
+        help="tokens decoded per eval prompt",
+    )
+    p.add_argument("--seed", type=int, default=d.seed, help="init, data order and anchors")
     p.set_defaults(func=run)
 
 
