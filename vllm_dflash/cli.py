@@ -2,9 +2,10 @@
 
 import argparse
 
+from vllm_dflash.bench import command as bench_command
 from vllm_dflash.train import command as train_command
 
-SUBCOMMANDS = (train_command,)
+SUBCOMMANDS = (train_command, bench_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

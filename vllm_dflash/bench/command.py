@@ -1,0 +1,100 @@
+"""The `vllm-dflash bench` subcommand: every method on the same prompts, interleaved.
+
+For each concurrency C, each method runs in turn in a fresh engine of its own (a subprocess,
+capped at max_num_seqs = C), with a warm-up, on the same greedy requests; then the report
+compares every method to no speculation at that C.
+"""
+
+import argparse
+import os
+import platform
+from pathlib import Path
+
+from vllm_dflash.bench.methods import check_methods, default_num_speculative_tokens
+from vllm_dflash.bench.prompts import load_prompts, requests_for
+from vllm_dflash.bench.report import compare_to_baseline, write_report
+from vllm_dflash.bench.run import run_in_subprocess
+from vllm_dflash.bench.runspec import RunSpec
+from vllm_dflash.train.progress import progress_bar
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def name_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark speculative methods against no speculation",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--target", required=True, help="target model dir or hub id")
+    p.add_argument("--draft", required=True, help="DFlash drafter dir or hub id")
+    p.add_argument("--prompts", required=True, help='JSONL of {"prompt": "..."} lines')
+    p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64],
+                   help="comma-separated concurrencies (default: 1,4,16,64)")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    p.add_argument("--methods", type=name_list,
+                   default=["none", "vllm-dflash", "vllm-inproc-dflash", "ngram"],
+                   help="comma-separated, from none,vllm-dflash,vllm-inproc-dflash,ngram")
+    p.add_argument("--server", action="store_true",
+                   help="through the OpenAI server and streaming clients (default: LLM())")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="draft length (default: the drafter's block_size - 1)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="use the first N prompts (default: all)")
+    p.add_argument("--dtype", default=None, help="default: float32 on CPU, auto on GPU")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="default: on for CPU, off on GPU")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
+    p.add_argument("--out", default="bench_out", help="output dir (default: bench_out)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    check_methods(args.methods)
+    gpu = gpu_name()
+    prompts = load_prompts(args.prompts, args.num_prompts)
+    base = {
+        "mode": "server" if args.server else "offline",
+        "target": args.target, "draft": args.draft, "max_tokens": args.max_tokens,
+        "num_speculative_tokens": args.num_speculative_tokens
+        or default_num_speculative_tokens(args.draft),
+        "dtype": args.dtype or ("auto" if gpu else "float32"),
+        "enforce_eager": gpu is None if args.enforce_eager is None else args.enforce_eager,
+        "max_model_len": args.max_model_len,
+    }
+    out = Path(args.out)
+    results = run_all(base, prompts, args.concurrency, args.methods, out)
+    meta = base | {"prompts": args.prompts, "num_prompts": len(prompts),
+                   "concurrency": args.concurrency, "methods": args.methods, "gpu": gpu,
+                   "cpu_count": os.cpu_count(), "machine": platform.platform()}
+    print(write_report(out, meta, compare_to_baseline(results)))
+    print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+
+
+def run_all(base: dict, prompts: list[str], concurrencies: list[int], methods: list[str],
+            out: Path) -> list[dict]:
+    """Concurrency-major, method-minor: methods alternate, so load drift hits them all."""
+    bar = progress_bar(total=len(concurrencies) * len(methods), desc="bench")
+    results = []
+    for concurrency in concurrencies:
+        for method in methods:
+            bar.set_postfix_str(f"{method} C={concurrency}")
+            spec = RunSpec(method=method, concurrency=concurrency,
+                           prompts=requests_for(prompts, concurrency), **base)
+            results.append(run_in_subprocess(spec, out))
+            bar.update()
+    bar.close()
+    return results
+
+
+def gpu_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None

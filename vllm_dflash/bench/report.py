@@ -1,0 +1,108 @@
+"""From the runs' measurements to the report: ratios to no speculation, greedy equality with
+no speculation, and bench.json, bench.png and table.md."""
+
+import json
+from pathlib import Path
+
+from vllm_dflash.bench.counters import SpecCounters, acceptance
+from vllm_dflash.bench.methods import BASELINE
+
+
+def compare_to_baseline(results: list[dict]) -> list[dict]:
+    """Adds speedup_vs_none and greedy_equals_none (None without a baseline run at that
+    concurrency) and drops the token ids."""
+    baselines = {r["concurrency"]: r for r in results if r["method"] == BASELINE and ok(r)}
+    rows = []
+    for result in results:
+        row = {k: v for k, v in result.items() if k != "token_ids"}
+        base = baselines.get(result["concurrency"])
+        if ok(result) and base:
+            row["speedup_vs_none"] = result["output_tokens_per_s"] / base["output_tokens_per_s"]
+            row["greedy_equals_none"] = result["token_ids"] == base["token_ids"]
+        else:
+            row["speedup_vs_none"] = row["greedy_equals_none"] = None
+        rows.append(row)
+    return rows
+
+
+def ok(result: dict) -> bool:
+    return "error" not in result
+
+
+def write_report(out_dir: Path, meta: dict, rows: list[dict]) -> str:
+    """Writes bench.json, bench.png and table.md into out_dir; returns the markdown table."""
+    (out_dir / "bench.json").write_text(json.dumps({"meta": meta, "runs": rows}, indent=2) + "\n")
+    plot(out_dir / "bench.png", rows, meta["mode"])
+    table = markdown_table(rows, server=meta["mode"] == "server")
+    (out_dir / "table.md").write_text(table + "\n")
+    return table
+
+
+def acceptance_by_method(rows: list[dict]) -> dict[str, list[float]]:
+    """Per-position acceptance rate of each speculative method, over all its concurrencies."""
+    totals: dict[str, SpecCounters] = {}
+    for row in rows:
+        if ok(row) and row["mean_acceptance_length"] is not None:
+            counters = SpecCounters(**row["spec_counters"])
+            totals[row["method"]] = totals.get(row["method"], SpecCounters()).plus(counters)
+    return {m: acceptance(c)["acceptance_per_position"] for m, c in totals.items()}
+
+
+def plot(path: Path, rows: list[dict], mode: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (speed, accept) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        points = [(r["concurrency"], r["speedup_vs_none"]) for r in rows
+                  if r["method"] == method and r["speedup_vs_none"] is not None]
+        if points:
+            speed.plot(*zip(*points), marker="o", label=method)
+    speed.set_xscale("log", base=2)
+    speed.set(xlabel="concurrency", ylabel="output tokens/s / no speculation",
+              title=f"Speedup vs concurrency ({mode})")
+    speed.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    for method, rates in acceptance_by_method(rows).items():
+        accept.plot(range(1, len(rates) + 1), rates, marker="o", label=method)
+    accept.set(xlabel="draft position", ylabel="accepted / drafts", ylim=(0, 1.05),
+               title="Acceptance per position")
+    for axes in (speed, accept):
+        axes.grid(alpha=0.3)
+        if axes.get_legend_handles_labels()[0]:
+            axes.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown_table(rows: list[dict], server: bool) -> str:
+    header = ["method", "C", "tokens/s", "x none", "accept len", "peak RSS MiB", "= none"]
+    if server:
+        header[4:4] = ["TTFT p50/p99 ms", "ITL p50/p99 ms"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for row in rows:
+        lines.append("| " + " | ".join(table_cells(row, server)) + " |")
+    return "\n".join(lines)
+
+
+def table_cells(row: dict, server: bool) -> list[str]:
+    if not ok(row):
+        return [row["method"], str(row["concurrency"]), f"failed: {row['error']}"]
+    cells = [
+        row["method"], str(row["concurrency"]), f"{row['output_tokens_per_s']:.1f}",
+        fmt(row["speedup_vs_none"], "{:.2f}"), fmt(row["mean_acceptance_length"], "{:.2f}"),
+        f"{row['peak_rss_mib']:.0f}", fmt(row["greedy_equals_none"], "{}"),
+    ]
+    if server:
+        cells[4:4] = [p50_p99(row["ttft_ms"]), p50_p99(row["itl_ms"])]
+    return cells
+
+
+def fmt(value: object, spec: str) -> str:
+    return "-" if value is None else spec.format(value)
+
+
+def p50_p99(stats: dict | None) -> str:
+    return "-" if stats is None else f"{stats['p50']:.1f} / {stats['p99']:.1f}"
