@@ -59,12 +59,16 @@ class DraftKVLayer(torch.nn.Module, AttentionLayerBase):
 
     is_draft_layer = True
 
-    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         self.num_kv_heads = num_kv_heads
         self.head_size = head_dim
         self.dtype = dtype
-        self.kv_cache = torch.tensor([])
+        # One zero block until vLLM binds the real cache: profile runs (dummy_run, before the
+        # KV cache exists) go through the same kernels with empty contexts.
+        self.kv_cache = torch.zeros(1, num_kv_heads, 1, 2 * head_dim, dtype=dtype, device=device)
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return DraftKVBackend
@@ -224,7 +228,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         for name in self.kv_layer_names:
             if name in forward_context:
                 raise ValueError(f"duplicate layer name {name} in vLLM's forward context")
-            layer = DraftKVLayer(cfg.num_kv_heads, cfg.head_dim, self.dtype)
+            layer = DraftKVLayer(cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
             forward_context[name] = layer
             self.kv_layers.append(layer)
 
