@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from vllm_dflash.bench.counters import SpecCounters, acceptance
-from vllm_dflash.bench.methods import BASELINE
+from vllm_dflash.bench.methods import BASELINE, METHODS
 
 
 def compare_to_baseline(results: list[dict]) -> list[dict]:
@@ -59,13 +59,16 @@ def plot(path: Path, rows: list[dict], mode: str) -> None:
         points = [(r["concurrency"], r["speedup_vs_none"]) for r in rows
                   if r["method"] == method and r["speedup_vs_none"] is not None]
         if points:
-            speed.plot(*zip(*points), marker="o", label=method)
+            speed.plot(*zip(*points), marker="o", label=method, color=color(method))
+    concurrencies = sorted({r["concurrency"] for r in rows})
     speed.set_xscale("log", base=2)
+    speed.set_xticks(concurrencies, [str(c) for c in concurrencies])
     speed.set(xlabel="concurrency", ylabel="output tokens/s / no speculation",
               title=f"Speedup vs concurrency ({mode})")
     speed.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     for method, rates in acceptance_by_method(rows).items():
-        accept.plot(range(1, len(rates) + 1), rates, marker="o", label=method)
+        accept.plot(range(1, len(rates) + 1), rates, marker="o", label=method,
+                    color=color(method))
     accept.set(xlabel="draft position", ylabel="accepted / drafts", ylim=(0, 1.05),
                title="Acceptance per position")
     for axes in (speed, accept):
@@ -75,6 +78,11 @@ def plot(path: Path, rows: list[dict], mode: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def color(method: str) -> str:
+    """The same colour for a method in both plots."""
+    return f"C{METHODS.index(method)}"
 
 
 def markdown_table(rows: list[dict], server: bool) -> str:

@@ -1,0 +1,116 @@
+"""`vllm-dflash bench` on a tiny random pair: it writes bench.json, bench.png and table.md with
+sane numbers (not timings). Each run starts its own engine process, so runs are few."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.engines import MAX_MODEL_LEN, make_pair
+from vllm_dflash.bench.counters import SpecCounters, acceptance, from_prometheus
+from vllm_dflash.bench.prompts import requests_for
+from vllm_dflash.bench.report import compare_to_baseline
+from vllm_dflash.cli import main
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by every engine process
+PROMPTS = ["def fibonacci(n):", "import os\n"]
+K = 7  # the random drafter's block_size - 1: the bench's default
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("bench_pair"))
+
+
+def bench(pair, out: Path, *args: str) -> dict:
+    prompts = out.parent / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    main(["bench", "--target", str(pair.target), "--draft", str(pair.drafter),
+          "--prompts", str(prompts), "--max-tokens", "8", "--max-model-len", str(MAX_MODEL_LEN),
+          "--out", str(out), *args])
+    return json.loads((out / "bench.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def offline(pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_offline") / "out"
+    return bench(pair, out, "--concurrency", "1,2", "--methods", "none,vllm-dflash"), out
+
+
+def test_offline_writes_json_png_and_table(offline):
+    report, out = offline
+    assert report["meta"]["mode"] == "offline"
+    assert report["meta"]["num_speculative_tokens"] == K
+    assert [(r["method"], r["concurrency"]) for r in report["runs"]] == [
+        ("none", 1), ("vllm-dflash", 1), ("none", 2), ("vllm-dflash", 2)]
+    assert (out / "bench.png").read_bytes().startswith(b"\x89PNG")
+    assert "| vllm-dflash | 2 |" in (out / "table.md").read_text()
+    # Each run set its method's environment before building its engine: this is our proposer.
+    log = (out / "logs" / "offline-vllm-dflash-c1.log").read_text()
+    assert "implementation=vllm-dflash (vllm_dflash.proposer.DFlashProposer)" in log
+
+
+def test_offline_numbers_are_sane(offline):
+    report, _ = offline
+    for run in report["runs"]:
+        assert "error" not in run, run
+        assert "token_ids" not in run
+        assert run["requests"] == len(PROMPTS) and run["output_tokens"] > 0
+        assert run["output_tokens_per_s"] > 0 and run["speedup_vs_none"] > 0
+        assert run["peak_rss_mib"] > 0
+        assert run["greedy_equals_none"] is True
+        assert run["ttft_ms"] is None  # offline mode measures no latencies
+    for run in report["runs"]:
+        if run["method"] == "none":
+            assert run["speedup_vs_none"] == 1.0 and run["mean_acceptance_length"] is None
+        else:
+            assert 1.0 <= run["mean_acceptance_length"] <= 1 + K
+            assert len(run["acceptance_per_position"]) == K
+            assert all(0.0 <= a <= 1.0 for a in run["acceptance_per_position"])
+
+
+def test_server_mode_reports_latencies(pair, tmp_path):
+    report = bench(pair, tmp_path / "out", "--server", "--concurrency", "2",
+                   "--methods", "vllm-dflash")
+    (run,) = report["runs"]
+    assert "error" not in run, run
+    assert run["requests"] == len(PROMPTS) and run["output_tokens_per_s"] > 0
+    assert run["mean_acceptance_length"] >= 1.0
+    assert 0 < run["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"]
+    assert 0 < run["itl_ms"]["p50"] <= run["itl_ms"]["p99"]
+    assert run["speedup_vs_none"] is None and run["greedy_equals_none"] is None  # no baseline
+
+
+def test_prometheus_counters_and_acceptance():
+    text = """# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 4.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 12.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 6.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="1"} 2.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 4.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="2"} 0.0
+"""
+    counters = from_prometheus(text)
+    assert counters == SpecCounters(4.0, 12.0, 6.0, [4.0, 2.0, 0.0])
+    assert acceptance(counters.minus(SpecCounters(2.0, 6.0, 4.0, [2.0, 2.0]))) == {
+        "mean_acceptance_length": 2.0, "acceptance_per_position": [1.0, 0.0, 0.0]}
+    assert acceptance(SpecCounters())["mean_acceptance_length"] is None
+
+
+def test_requests_fill_the_concurrency():
+    assert requests_for(["a", "b", "c"], 2) == ["a", "b", "c"]
+    assert requests_for(["a", "b"], 5) == ["a", "b", "a", "b", "a"]
+
+
+def test_failed_runs_and_missing_baseline_are_reported():
+    ok = {"method": "none", "concurrency": 1, "output_tokens_per_s": 10.0, "token_ids": [[1]]}
+    rows = compare_to_baseline([
+        ok, {"method": "vllm-dflash", "concurrency": 1, "error": "exit code 1"},
+        {**ok, "method": "vllm-dflash", "concurrency": 2},
+    ])
+    assert rows[0]["speedup_vs_none"] == 1.0 and rows[0]["greedy_equals_none"] is True
+    assert rows[1]["speedup_vs_none"] is None and rows[1]["error"] == "exit code 1"
+    assert rows[2]["greedy_equals_none"] is None
+    assert all("token_ids" not in row for row in rows)
