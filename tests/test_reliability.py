@@ -364,21 +364,6 @@ def test_n_with_seed(baseline, dflash, prompts):
     assert all(len({tuple(c) for c in f}) > 1 for f in first), first
 
 
-def test_seeded_requests_prefilled_in_chunks(trained, dflash, prompts):
-    # A 64-token step budget splits each prompt over several steps, where vLLM samples and
-    # discards a token per step; on CPU that used to kill the engine for a seeded request
-    # (Generator.set_offset). The seeded output is the one of an unsplit prefill.
-    batch = long_prompts(prompts, [300, 130]) + prompts[:4]
-    sampling = [params(temperature=0.8, seed=21 + i, top_k=0 if i % 2 else 40, max_tokens=16)
-                for i in range(len(batch))]
-    want = completions(dflash, batch, sampling)
-    chunked = dflash_llm(trained, trained.block_size - 1, max_num_batched_tokens=64)
-    try:
-        assert completions(chunked, batch, sampling) == want
-    finally:
-        del chunked
-
-
 def test_penalties_bad_words_allowed_tokens_min_tokens_equal_no_speculation(
     baseline, dflash, prompts
 ):

@@ -140,7 +140,6 @@ def use_dflash_verification() -> None:
         # (`_ensure_int64(output)`), so per-request temperature, top_k and top_p reach the
         # rejection sampler as uninitialised memory: sampling breaks for every spec method.
         rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
-        keep_cpu_generators_on_discarded_samples()
     constrain = rejection_sampler.apply_sampling_constraints
 
     def apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata):
@@ -151,43 +150,6 @@ def use_dflash_verification() -> None:
         return constrain(logits, cu_num_draft_tokens, sampling_metadata)
 
     rejection_sampler.apply_sampling_constraints = apply_sampling_constraints
-
-
-def keep_cpu_generators_on_discarded_samples() -> None:
-    """vLLM 0.32 samples a token for a request whose prompt is still being prefilled in chunks,
-    discards it, and rewinds a seeded request's generator with `Generator.set_offset`, which CPU
-    generators do not have: the engine dies ("CPU Generator does not use offset") as soon as a
-    seeded request's prompt is split over steps, with or without speculation. On CPU, save those
-    generators' states before sampling and restore them after; idempotent."""
-    import numpy as np
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    if getattr(GPUModelRunner._sample, "vllm_dflash", False):
-        return
-    sample, bookkeeping = GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync
-
-    def _sample(self, logits, spec_decode_metadata):
-        generators = self.input_batch.generators
-        discarded = np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0]
-        saved = {int(i): generators[int(i)].get_state() for i in discarded if int(i) in generators}
-        output = sample(self, logits, spec_decode_metadata)
-        for i, state in saved.items():
-            generators[i].set_state(state)
-        return output
-
-    def _bookkeeping_sync(self, *args, **kwargs):
-        # The discarded samples' generators are restored already: keep them from the rewind,
-        # the only use of input_batch.generators in _bookkeeping_sync.
-        generators = self.input_batch.generators
-        self.input_batch.generators = {}
-        try:
-            return bookkeeping(self, *args, **kwargs)
-        finally:
-            self.input_batch.generators = generators
-
-    _sample.vllm_dflash = True
-    GPUModelRunner._sample = _sample
-    GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
 
 
 def expand_batch_to_tokens(
