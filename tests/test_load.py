@@ -166,4 +166,5 @@ def test_concurrent_streaming_load(servers):
     # caches (oneDNN primitives, ...) fill, more with the drafter's extra GEMM shapes; it levels
     # off after ~8 varied rounds. A leak would add to the plugin's growth round after round.
     growth = {server: values[-1] - values[0] for server, values in rss.items()}
+    print(f"engine RSS MiB after each round: plain {rss[plain]}, dflash {rss[dflash]}")
     assert growth[dflash] - growth[plain] <= RSS_MARGIN_MIB, rss
