@@ -7,7 +7,6 @@ to its idle level after each round.
 import http.client
 import json
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
@@ -15,7 +14,7 @@ import pytest
 
 from tests.engines import make_pair, prompts_of_lengths
 from tests.test_reliability import metric, wait_idle
-from tests.test_serve import START_TIMEOUT_S, Server, server_model
+from tests.test_serve import Server, plain_and_dflash_servers, server_model
 
 NUM_CLIENTS = 64
 ROUNDS = 3
@@ -30,17 +29,8 @@ RSS_MARGIN_MIB = 96
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("load")
     pair = make_pair(root)
-    spec = {"method": "dflash", "model": str(pair.drafter), "num_speculative_tokens": 7}
-    started = [Server(str(pair.target), None, str(root / "plain.log")),
-               Server(str(pair.target), spec, str(root / "dflash.log"))]
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for server in started:
-            server.wait_ready(deadline)
+    with plain_and_dflash_servers(root, pair) as started:
         yield pair, started
-    finally:
-        for server in started:
-            server.stop()
 
 
 def request_bodies(pair, model: str) -> list[dict]:

@@ -8,10 +8,13 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
-from tests.engines import MAX_MODEL_LEN, make_pair
+from tests.engines import MAX_MODEL_LEN, Pair, make_pair
 
 START_TIMEOUT_S = 600  # two servers start side by side on a 2-core machine
 
@@ -70,10 +73,9 @@ class Server:
         self.log.close()
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    pair = make_pair(root)
+@contextmanager
+def plain_and_dflash_servers(root: Path, pair: Pair) -> Iterator[list[Server]]:
+    """A server without speculation and one with the plugin (K=7), started side by side."""
     spec = {"method": "dflash", "model": str(pair.drafter), "num_speculative_tokens": 7}
     started = [Server(str(pair.target), None, str(root / "plain.log")),
                Server(str(pair.target), spec, str(root / "dflash.log"))]
@@ -85,6 +87,13 @@ def servers(tmp_path_factory):
     finally:
         for server in started:
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    with plain_and_dflash_servers(root, make_pair(root)) as started:
+        yield started
 
 
 def completion_text(server: Server, stream: bool) -> str:
