@@ -9,6 +9,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines draft the full K every step, so that verification runs on every step whatever the
+# (random) drafter's acceptance; the adaptive policy has its own tests (test_draft_policy*.py).
+os.environ.setdefault("VLLM_DFLASH_DRAFT_LENGTH", "fixed")
 
 MAX_MODEL_LEN = 512
 

@@ -16,6 +16,9 @@ IMPL_ENV = "VLLM_DFLASH_IMPL"
 # "vllm-dflash": this package's proposer, drafter and kernels; "vllm": vLLM's in-tree DFlash.
 IMPLEMENTATIONS = ("vllm-dflash", "vllm")
 SUPPORTED_RUNNERS = ("GPUModelRunner (V1)", "CPUModelRunner")
+DRAFT_LENGTH_ENV = "VLLM_DFLASH_DRAFT_LENGTH"
+# "adaptive": draft_policy.py picks 0..K draft tokens per request every step; "fixed": always K.
+DRAFT_LENGTHS = ("adaptive", "fixed")
 
 _registered = False
 
@@ -32,6 +35,16 @@ def selected_implementation() -> str:
             f"valid values: {', '.join(IMPLEMENTATIONS)} (unset means vllm-dflash)."
         )
     return impl
+
+
+def draft_length_mode() -> str:
+    mode = os.environ.get(DRAFT_LENGTH_ENV, "adaptive").strip() or "adaptive"
+    if mode not in DRAFT_LENGTHS:
+        raise DFlashSetupError(
+            f"{DRAFT_LENGTH_ENV}={mode!r} is not a draft-length mode; valid values: "
+            f"{', '.join(DRAFT_LENGTHS)} (unset means adaptive)."
+        )
+    return mode
 
 
 def check_vllm_version(version: str) -> None:
@@ -69,8 +82,11 @@ def register() -> None:
         _registered = True
         return
     require_v1_runner()
+    draft_length_mode()
     _patch_runner()
     _patch_engine_args()
+    _patch_engine_core()
+    _patch_scheduler()
     _registered = True
 
 
@@ -106,6 +122,7 @@ def _patch_engine_args() -> None:
             )
         config = create(self, target_model_config, target_parallel_config)
         if config is not None and config.method == "dflash":
+            draft_length_mode()
             from pathlib import Path
 
             from vllm_dflash.proposer import check_weight_shapes, validate_speculative_config
@@ -118,6 +135,115 @@ def _patch_engine_args() -> None:
 
     create_speculative_config.vllm_dflash = True
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+def _patch_engine_core() -> None:
+    # The draft-length policy lives beside vLLM's scheduler, in the engine-core process, where
+    # acceptance counts and step times are on the host. It starts from a profile of the
+    # workers' forward passes, taken once the KV cache and CUDA graphs exist.
+    from vllm.v1.engine.core import EngineCore
+
+    init = EngineCore.__init__
+    if getattr(init, "vllm_dflash", False):
+        return
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        init(self, vllm_config, *args, **kwargs)
+        spec = vllm_config.speculative_config
+        if spec is None or spec.method != "dflash" or draft_length_mode() == "fixed":
+            return
+        if spec.num_speculative_tokens_per_batch_size:
+            logger.info("vllm-dflash: draft length from num_speculative_tokens_per_batch_size")
+            return
+        from vllm_dflash.draft_policy import DraftPolicy
+
+        profile = self.collective_rpc(_profile_step_costs)[0]
+        self.scheduler.vllm_dflash_policy = DraftPolicy(spec.num_speculative_tokens, profile)
+        logger.info(
+            "vllm-dflash: adaptive draft length, 0..%d tokens per request and step "
+            "(%s=fixed for always %d); start-up profile (ms): target at %s tokens: %s, "
+            "drafter at %s requests: %s",
+            spec.num_speculative_tokens, DRAFT_LENGTH_ENV, spec.num_speculative_tokens,
+            profile.tokens, _ms(profile.target_s), profile.batch_sizes, _ms(profile.drafter_s),
+        )
+
+    __init__.vllm_dflash = True
+    EngineCore.__init__ = __init__
+
+
+def _profile_step_costs(worker):  # runs in every worker, through collective_rpc
+    runner = worker.model_runner
+    return runner.drafter.profile_step_costs(runner)
+
+
+def _ms(seconds: list[float]) -> list[float]:
+    return [round(s * 1e3, 2) for s in seconds]
+
+
+class _StepDraftLength:
+    """Stands in for vLLM's dynamic-SD table (batch size -> draft length), which the scheduler
+    reads once per step: the policy has already chosen this step's length."""
+
+    def __init__(self, num_draft: int) -> None:
+        self.num_draft = num_draft
+
+    def __getitem__(self, batch_size: int) -> int:
+        return self.num_draft
+
+
+def _patch_scheduler() -> None:
+    # Before each schedule: the policy's lengths cut each request's drafts (the scheduler
+    # then schedules 1 + k_r tokens for it) and set how many the drafter proposes next.
+    # After each step: what was accepted and how long the step took feed the policy.
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    schedule, update_from_output = Scheduler.schedule, Scheduler.update_from_output
+    if getattr(schedule, "vllm_dflash", False):
+        return
+
+    def schedule_with_policy(self, *args, **kwargs):
+        policy = getattr(self, "vllm_dflash_policy", None)
+        if policy is not None:
+            decoding = [r for r in self.running if not r.is_prefill_chunk]
+            plan = policy.plan([r.request_id for r in decoding])
+            for request, length in zip(decoding, plan.lengths):
+                if len(request.spec_token_ids) > length:
+                    request.spec_token_ids = request.spec_token_ids[:length]
+            self.dynamic_sd_lookup = _StepDraftLength(plan.num_draft)
+        return schedule(self, *args, **kwargs)
+
+    def update_from_output_with_policy(self, scheduler_output, model_runner_output):
+        policy = getattr(self, "vllm_dflash_policy", None)
+        if policy is not None:
+            _observe_step(policy, scheduler_output, model_runner_output)
+        outputs = update_from_output(self, scheduler_output, model_runner_output)
+        if policy is not None and not self.has_unfinished_requests():
+            policy.idle()
+        return outputs
+
+    schedule_with_policy.vllm_dflash = True
+    Scheduler.schedule = schedule_with_policy
+    Scheduler.update_from_output = update_from_output_with_policy
+
+
+def _observe_step(policy, scheduler_output, model_runner_output) -> None:
+    sampled = model_runner_output.sampled_token_ids
+    index = model_runner_output.req_id_to_index
+    drafts = []
+    for req_id, draft in scheduler_output.scheduled_spec_decode_tokens.items():
+        i = index.get(req_id)
+        if i is not None and i < len(sampled) and sampled[i]:
+            # sampled: the accepted drafts plus the target's bonus or correction token.
+            drafts.append((req_id, len(draft), len(sampled[i]) - 1))
+    policy.observe(
+        drafts,
+        num_tokens=scheduler_output.total_num_scheduled_tokens,
+        batch_size=len(scheduler_output.num_scheduled_tokens),
+        drafted=scheduler_output.num_spec_tokens_to_schedule > 0,
+    )
+    summary = policy.summary()
+    if summary:
+        logger.info("vllm-dflash: %s", summary)
 
 
 def use_dflash_verification() -> None:

@@ -14,6 +14,8 @@ with the request like any attention layer's.
 """
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -34,11 +36,13 @@ from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 from vllm_dflash import checkpoint, plugin
 from vllm_dflash.checkpoint import load_drafter
 from vllm_dflash.config import DFlashConfig, DFlashConfigError, validate_against_target
+from vllm_dflash.draft_policy import StepProfile
 from vllm_dflash.kernels.draft_attention import draft_attention
 from vllm_dflash.kernels.kv_injection import kv_injection
 from vllm_dflash.model import Attend, DFlashDrafter
 
 logger = logging.getLogger("vllm.vllm_dflash")  # inherits vLLM's log handler
+PROFILE_STOP_S = 0.5
 
 
 @dataclass
@@ -190,6 +194,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
             for i in range(self.dflash_config.num_layers)
         ]
         self.kv_layers: list[DraftKVLayer] = []
+        self.dummy_runs_draft = True  # off while profiling the target alone
         # vLLM captures each target layer once, in ascending order; the drafter wants its
         # target_layer_ids order, duplicates included.
         ids = self.dflash_config.target_layer_ids
@@ -269,6 +274,9 @@ class DFlashProposer(SpecDecodeBaseProposer):
         self.inject_context(
             target_hidden_states[:num_tokens], target_positions, cad.slot_mapping[:num_tokens]
         )
+        if num_speculative_tokens == 0:
+            # The draft-length policy skips drafting this step; the context still grows.
+            return next_token_ids.new_empty(next_token_ids.shape[0], 0)
         context_lens = cad.seq_lens
         if num_rejected_tokens_gpu is not None:
             context_lens = context_lens - num_rejected_tokens_gpu
@@ -277,7 +285,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
             context_lens=context_lens.to(torch.int32),
             query_start_loc=self.arange[: cad.batch_size() + 1] * self.block_len,
         )
-        return self.draft(next_token_ids, batch)
+        # The block keeps its trained length; the policy may take fewer of its tokens.
+        return self.draft(next_token_ids, batch)[:, :num_speculative_tokens]
 
     def inject_context(
         self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
@@ -331,11 +340,55 @@ class DFlashProposer(SpecDecodeBaseProposer):
         )
         ctx = self.drafter.fuse(features)
         torch.nn.functional.linear(ctx, self.kv_weight)
-        num_reqs = max(1, min(self.max_batch_size, num_tokens // self.block_len))
+        if self.dummy_runs_draft:
+            num_reqs = max(1, min(self.max_batch_size, num_tokens // self.block_len))
+            self.draft(*self.dummy_draft_inputs(num_reqs))
+
+    def dummy_draft_inputs(self, num_reqs: int) -> tuple[torch.Tensor, DraftBatch]:
+        """Anchors and an empty-context batch of num_reqs blocks, for profiling."""
         batch = DraftBatch(
             block_table=torch.zeros(num_reqs, 1, dtype=torch.int32, device=self.device),
             context_lens=torch.zeros(num_reqs, dtype=torch.int32, device=self.device),
             query_start_loc=self.arange[: num_reqs + 1] * self.block_len,
         )
-        anchors = torch.zeros(num_reqs, dtype=torch.int32, device=self.device)
-        self.draft(anchors, batch)
+        return torch.zeros(num_reqs, dtype=torch.int32, device=self.device), batch
+
+    @torch.inference_mode()
+    def profile_step_costs(self, runner: Any) -> StepProfile:
+        """Start-up profile for the draft-length policy: the target's forward pass at 1, 2, 4,
+        ... query tokens (vLLM's own dummy runs, CUDA graphs included, drafter excluded) and
+        the drafter at 1, 2, 4, ... requests. A shape slower than PROFILE_STOP_S ends its series;
+        the policy extrapolates from the last two points."""
+        max_reqs = runner.max_num_reqs
+        max_tokens = min(runner.max_num_tokens, max_reqs * self.block_len)
+        self.dummy_runs_draft = False
+        try:
+            tokens, target_s = _time_series(max_tokens, runner._dummy_run, self.device)
+        finally:
+            self.dummy_runs_draft = True
+        batch_sizes, drafter_s = _time_series(
+            max_reqs, lambda n: self.draft(*self.dummy_draft_inputs(n)), self.device)
+        return StepProfile(tokens, target_s, batch_sizes, drafter_s)
+
+
+def _time_series(
+    limit: int, run: Callable[[int], Any], device: torch.device
+) -> tuple[list[int], list[float]]:
+    """Best-of-2 seconds of run(x) (after a warm-up) for x = 1, 2, 4, ... up to limit."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sizes = sorted({2**i for i in range(limit.bit_length()) if 2**i < limit} | {limit})
+    xs, seconds = [], []
+    for x in sizes:
+        run(x)
+        sync()
+        best = float("inf")
+        for _ in range(2):
+            start = time.perf_counter()
+            run(x)
+            sync()
+            best = min(best, time.perf_counter() - start)
+        xs.append(x)
+        seconds.append(best)
+        if best > PROFILE_STOP_S:
+            break
+    return xs, seconds

@@ -41,7 +41,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     p.add_argument("--methods", type=name_list,
                    default=["none", "vllm-dflash", "vllm-inproc-dflash", "ngram"],
-                   help="comma-separated, from none,vllm-dflash,vllm-inproc-dflash,ngram")
+                   help="comma-separated, from none,vllm-dflash,vllm-inproc-dflash,ngram and "
+                   "vllm-dflash-kN (vllm-dflash with a fixed draft length N; vllm-dflash "
+                   "itself chooses the length per request and step)")
     p.add_argument("--server", action="store_true",
                    help="through the OpenAI server and streaming clients (default: LLM())")
     p.add_argument("--num-speculative-tokens", type=int, default=None,

@@ -1,20 +1,32 @@
-"""The benchmarked methods: each is a speculative_config plus the engine's environment."""
+"""The benchmarked methods: each is a speculative_config plus the engine's environment.
+
+`vllm-dflash` drafts with the adaptive draft length (the default); `vllm-dflash-kN` always
+drafts N tokens (VLLM_DFLASH_DRAFT_LENGTH=fixed, num_speculative_tokens=N).
+"""
 
 import json
+import re
 from pathlib import Path
 
-from vllm_dflash.plugin import IMPL_ENV
+from vllm_dflash.plugin import DRAFT_LENGTH_ENV, IMPL_ENV
 
 METHODS = ("none", "vllm-dflash", "vllm-inproc-dflash", "ngram")
+FIXED = re.compile(r"vllm-dflash-k([1-9][0-9]*)")
 BASELINE = "none"
 # vLLM's documented prompt-lookup window for ngram speculation.
 NGRAM_LOOKUP = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
 def check_methods(methods: list[str]) -> None:
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in METHODS and not FIXED.fullmatch(m)]
     if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(unknown)}; valid: {', '.join(METHODS)}")
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; valid: "
+                         f"{', '.join(METHODS)}, vllm-dflash-kN (a fixed draft length N)")
+
+
+def fixed_draft_length(method: str) -> int | None:
+    match = FIXED.fullmatch(method)
+    return int(match.group(1)) if match else None
 
 
 def speculative_config(method: str, draft: str, num_speculative_tokens: int) -> dict | None:
@@ -23,12 +35,21 @@ def speculative_config(method: str, draft: str, num_speculative_tokens: int) -> 
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
                 **NGRAM_LOOKUP}
-    return {"method": "dflash", "model": draft, "num_speculative_tokens": num_speculative_tokens}
+    k = fixed_draft_length(method) or num_speculative_tokens
+    return {"method": "dflash", "model": draft, "num_speculative_tokens": k}
 
 
 def method_env(method: str) -> dict[str, str]:
     """`vllm-inproc-dflash` is vLLM's in-tree DFlash: the plugin steps aside."""
-    return {IMPL_ENV: "vllm" if method == "vllm-inproc-dflash" else "vllm-dflash"}
+    fixed = fixed_draft_length(method) is not None
+    return {IMPL_ENV: "vllm" if method == "vllm-inproc-dflash" else "vllm-dflash",
+            DRAFT_LENGTH_ENV: "fixed" if fixed else "adaptive"}
+
+
+def color(method: str) -> str:
+    """The same colour for a method in both plots."""
+    k = fixed_draft_length(method)
+    return f"C{METHODS.index(method) if k is None else len(METHODS) + k.bit_length() - 1}"
 
 
 def default_num_speculative_tokens(draft: str) -> int:

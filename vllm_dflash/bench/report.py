@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from vllm_dflash.bench.counters import SpecCounters, acceptance
-from vllm_dflash.bench.methods import BASELINE, METHODS
+from vllm_dflash.bench.methods import BASELINE, color
 
 
 def compare_to_baseline(results: list[dict]) -> list[dict]:
@@ -78,11 +78,6 @@ def plot(path: Path, rows: list[dict], mode: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def color(method: str) -> str:
-    """The same colour for a method in both plots."""
-    return f"C{METHODS.index(method)}"
 
 
 def markdown_table(rows: list[dict], server: bool) -> str:

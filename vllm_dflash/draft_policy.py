@@ -1,0 +1,267 @@
+"""Adaptive draft length: how many draft tokens each request verifies, chosen every step.
+
+A step that verifies k_r draft tokens for each of n decoding requests runs T = n + sum(k_r)
+query tokens through the target and emits n + sum(E_r(k_r)) tokens in expectation, where
+
+    E_r(k) = sum_{j=1..k} prod_{i=1..j} a_{r,i}
+
+and a_{r,i} is the probability that request r's draft position i is accepted given that
+positions 1..i-1 were (DFlash's per-position acceptance, measured online). The step costs
+
+    time(T, n) = overhead + scale * (target(T) + [drafter runs] * drafter(n))
+
+with target(T) and drafter(n) profiled on the running engine at start-up and overhead/scale
+fitted online to the measured step times. The policy maximises tokens per second of the batch,
+choosing each k_r from a small fixed set (0, 1, 3, 7, ..., K) so that the shapes the target and
+drafter see stay few. k_r = 0 is plain decoding; when every k_r is 0 the drafter is skipped.
+
+Pure Python + numpy: no vLLM, no device work, no synchronisation. vLLM's scheduler calls it
+(plugin.py), where acceptance counts and step times are already on the host.
+"""
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+# Prior conditional acceptance per position before anything is measured, and its weight in
+# pseudo-drafts: speculation starts on, and a few dozen measured drafts outweigh the prior.
+PRIOR_ACCEPTANCE = 0.75
+PRIOR_WEIGHT = 8.0
+# Per-draft decay of the engine's counts (memory of ~200 drafts) and of a request's own counts
+# (memory of ~10 drafts): traffic changes, and requests change character within a response.
+GLOBAL_DECAY = 0.995
+REQUEST_DECAY = 0.9
+# Per-step decay of the step-time statistics (memory of ~200 steps).
+COST_DECAY = 0.995
+# Drafting switches on or off only when the other choice is predicted this much faster:
+# no flapping between settings step to step when the two are close.
+SWITCH_MARGIN = 0.03
+# While no request drafts the full block, one request in turn drafts it every EXPLORE_INTERVAL
+# steps: acceptance at every position stays measured, so a policy that stopped drafting (or
+# drafts short) sees when drafting deeper would pay again. Costs one drafter run and K extra
+# tokens per interval.
+EXPLORE_INTERVAL = 16
+REPORT_INTERVAL_S = 5.0
+
+
+def draft_levels(max_draft: int) -> list[int]:
+    """The draft lengths a request may get: 0, 1, 3, 7, ... below max_draft, and max_draft."""
+    levels, k = {0, max_draft}, 1
+    while k < max_draft:
+        levels.add(k)
+        k = 2 * k + 1
+    return sorted(levels)
+
+
+@dataclass
+class StepProfile:
+    """Start-up measurements (seconds): the target at several query-token counts, the drafter
+    at several batch sizes. Increasing x; linearly interpolated and extrapolated."""
+
+    tokens: list[int]
+    target_s: list[float]
+    batch_sizes: list[int]
+    drafter_s: list[float]
+
+
+def _interp(x: np.ndarray, xs: list[int], ys: list[float]) -> np.ndarray:
+    """Piecewise-linear through (xs, ys), continued with the last segment's slope."""
+    y = np.interp(x, xs, ys)
+    if len(xs) > 1:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        beyond = x > xs[-1]
+        y = np.where(beyond, ys[-1] + slope * (x - xs[-1]), y)
+    return y
+
+
+class StepCostModel:
+    """time = overhead + scale * profiled(T, n, drafted), fitted by exponentially weighted least
+    squares on measured steps, with a ridge pulling scale towards 1 when the measured steps are
+    too alike to tell scale from overhead."""
+
+    def __init__(self, profile: StepProfile) -> None:
+        self.profile = profile
+        self.stats = np.zeros(5)  # weighted sums of 1, x, y, x*x, x*y
+        self.overhead, self.scale = 0.0, 1.0
+
+    def profiled(self, tokens: np.ndarray, batch_size: int, drafted: np.ndarray) -> np.ndarray:
+        p = self.profile
+        target = _interp(tokens, p.tokens, p.target_s)
+        drafter = _interp(np.array(batch_size), p.batch_sizes, p.drafter_s)
+        return target + np.where(drafted, drafter, 0.0)
+
+    def predict(self, tokens: np.ndarray, batch_size: int, drafted: np.ndarray) -> np.ndarray:
+        return self.overhead + self.scale * self.profiled(tokens, batch_size, drafted)
+
+    def observe(self, tokens: int, batch_size: int, drafted: bool, seconds: float) -> None:
+        x = float(self.profiled(np.array(tokens), batch_size, np.array(drafted)))
+        # A pause (GC, another process) must not swing the fit: clip to 4x the prediction.
+        y = min(seconds, 4.0 * (self.overhead + self.scale * x))
+        self.stats = COST_DECAY * self.stats + np.array([1.0, x, y, x * x, x * y])
+        w, sx, sy, sxx, sxy = self.stats
+        mean_x, mean_y = sx / w, sy / w
+        var_x, cov = sxx / w - mean_x**2, sxy / w - mean_x * mean_y
+        ridge = (0.2 * mean_x) ** 2
+        self.scale = float(np.clip((cov + ridge) / (var_x + ridge), 0.25, 4.0))
+        self.overhead = max(mean_y - self.scale * mean_x, 0.0)
+
+
+class AcceptanceModel:
+    """Per-position conditional acceptance of the whole engine, and a per-request factor."""
+
+    def __init__(self, max_draft: int) -> None:
+        self.reached = np.zeros(max_draft)  # drafts whose position i was reached
+        self.accepted = np.zeros(max_draft)  # ... and accepted there
+        self.requests: dict[str, tuple[float, float]] = {}  # req -> (reached, accepted)
+
+    def observe(self, drafts: list[tuple[str, int, int]]) -> None:
+        """drafts: (request id, draft tokens verified, draft tokens accepted) of one step."""
+        decay = GLOBAL_DECAY ** len(drafts)
+        self.reached *= decay
+        self.accepted *= decay
+        for req_id, num_draft, num_accepted in drafts:
+            reached = min(num_accepted + 1, num_draft)
+            self.reached[:reached] += 1
+            self.accepted[:num_accepted] += 1
+            old_reached, old_accepted = self.requests.get(req_id, (0.0, 0.0))
+            self.requests[req_id] = (REQUEST_DECAY * old_reached + reached,
+                                     REQUEST_DECAY * old_accepted + num_accepted)
+
+    def rates(self) -> np.ndarray:
+        """[max_draft] conditional acceptance per position, shrunk towards the prior."""
+        return (self.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (self.reached + PRIOR_WEIGHT)
+
+    def expected_accepted(self, req_ids: list[str]) -> np.ndarray:
+        """[n, max_draft + 1]: E_r(k) for k = 0..max_draft."""
+        overall = (self.accepted.sum() + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (
+            self.reached.sum() + PRIOR_WEIGHT)
+        own = np.array([self.requests.get(r, (0.0, 0.0)) for r in req_ids]).reshape(-1, 2)
+        # A request's own rate, shrunk towards the engine's, scales every position's rate.
+        factor = (own[:, 1] + overall * PRIOR_WEIGHT) / (own[:, 0] + PRIOR_WEIGHT) / overall
+        rates = np.clip(self.rates()[None, :] * factor[:, None], 0.0, 0.999)
+        expected = np.cumsum(np.cumprod(rates, axis=1), axis=1)
+        return np.concatenate([np.zeros((len(req_ids), 1)), expected], axis=1)
+
+    def forget_except(self, req_ids: list[str]) -> None:
+        keep = set(req_ids)
+        self.requests = {r: v for r, v in self.requests.items() if r in keep}
+
+
+@dataclass
+class Plan:
+    lengths: list[int]  # draft tokens each request verifies this step, in the order given
+    num_draft: int  # draft tokens the drafter proposes at the end of this step (0: skip it)
+
+
+class DraftPolicy:
+    """Chooses draft lengths per step; fed with what each step accepted and how long it took."""
+
+    def __init__(self, max_draft: int, profile: StepProfile) -> None:
+        self.levels = np.array(draft_levels(max_draft))
+        self.acceptance = AcceptanceModel(max_draft)
+        self.cost = StepCostModel(profile)
+        self.drafting = True
+        self.steps = 0
+        self.last_step_end: float | None = None  # None: idle, the next step starts at plan()
+        self.step_start = 0.0
+        self.report = _Report(self.levels)
+
+    def plan(self, req_ids: list[str]) -> Plan:
+        """Draft lengths for the decoding requests req_ids of the coming step."""
+        max_draft = int(self.levels[-1])
+        if self.last_step_end is None:
+            self.step_start = time.perf_counter()
+        if not req_ids:
+            return Plan([], max_draft if self.drafting else 0)
+        if len(self.acceptance.requests) > 2 * len(req_ids) + 64:
+            self.acceptance.forget_except(req_ids)
+        lengths = self.choose(req_ids)
+        num_draft = int(lengths.max())
+        self.steps += 1
+        if num_draft < max_draft:
+            phase = self.steps % EXPLORE_INTERVAL
+            if phase == EXPLORE_INTERVAL - 1:
+                num_draft = max_draft  # full drafts ready for the exploring step
+            elif phase == 0:
+                lengths[(self.steps // EXPLORE_INTERVAL) % len(req_ids)] = max_draft
+        self.report.add(lengths, num_draft > 0)
+        return Plan(lengths.tolist(), num_draft)
+
+    def choose(self, req_ids: list[str]) -> np.ndarray:
+        """[n] draft lengths that maximise predicted tokens per second."""
+        n = len(req_ids)
+        expected = self.acceptance.expected_accepted(req_ids)[:, self.levels]  # [n, L]
+        # Upgrades: request r from level j-1 to j, worth gain[r, j] tokens for width[j] tokens.
+        gain = np.diff(expected, axis=1)
+        width = np.diff(self.levels)
+        # Taking upgrades by falling gain per token gives each request a prefix of its own
+        # upgrades (ties go to the lower level).
+        per_token = np.minimum.accumulate(gain / width, axis=1)
+        rows, cols = np.indices(gain.shape)
+        order = np.lexsort((cols.ravel(), -per_token.ravel()))
+        widths = np.broadcast_to(width, gain.shape).ravel()[order]
+        extra_tokens = np.concatenate([[0], np.cumsum(widths)])
+        extra_gain = np.concatenate([[0.0], np.cumsum(gain.ravel()[order])])
+        seconds = self.cost.predict(n + extra_tokens, n, extra_tokens > 0)
+        tokens_per_s = (n + extra_gain) / seconds
+        best = 1 + int(np.argmax(tokens_per_s[1:]))
+        on, off = tokens_per_s[best], tokens_per_s[0]
+        if self.drafting:  # stop only when plain decoding is clearly faster, and vice versa
+            self.drafting = not off > on * (1.0 + SWITCH_MARGIN)
+        else:
+            self.drafting = on > off * (1.0 + SWITCH_MARGIN)
+        num_upgrades = best if self.drafting else 0
+        return self.levels[np.bincount(rows.ravel()[order[:num_upgrades]], minlength=n)]
+
+    def observe(self, drafts: list[tuple[str, int, int]], num_tokens: int, batch_size: int,
+                drafted: bool) -> None:
+        """One finished step: its drafts' (request, verified, accepted), the query tokens and
+        requests it ran, and whether the drafter ran at its end."""
+        now = time.perf_counter()
+        # Steps follow each other back to back while requests run: the time since the last
+        # step ended covers scheduling, the forward pass, sampling, drafting and output.
+        start = self.step_start if self.last_step_end is None else self.last_step_end
+        self.cost.observe(num_tokens, batch_size, drafted, now - start)
+        self.acceptance.observe(drafts)
+        self.last_step_end = now
+
+    def idle(self) -> None:
+        """No requests left: the gap until the next step is not a step's cost."""
+        self.last_step_end = None
+
+    def summary(self) -> str | None:
+        """A one-line account of recent decisions, at most every REPORT_INTERVAL_S."""
+        return self.report.take(self)
+
+
+class _Report:
+    def __init__(self, levels: np.ndarray) -> None:
+        self.levels = levels
+        self.reset()
+
+    def reset(self) -> None:
+        self.since = time.perf_counter()
+        self.counts = np.zeros(len(self.levels), dtype=np.int64)
+        self.steps = self.drafting_steps = 0
+
+    def add(self, lengths: np.ndarray, drafting: bool) -> None:
+        self.counts += np.bincount(np.searchsorted(self.levels, lengths),
+                                   minlength=len(self.levels))
+        self.steps += 1
+        self.drafting_steps += drafting
+
+    def take(self, policy: DraftPolicy) -> str | None:
+        now = time.perf_counter()
+        if now - self.since < REPORT_INTERVAL_S or self.steps == 0:
+            return None
+        total = self.counts.sum()
+        mean = float(self.counts @ self.levels) / total
+        shares = ", ".join(f"{k}: {c / total:.0%}" for k, c in zip(self.levels, self.counts))
+        rates = " ".join(f"{a:.2f}" for a in policy.acceptance.rates())
+        line = (f"mean draft length {mean:.2f} per request-step ({shares}), drafter on in "
+                f"{self.drafting_steps / self.steps:.0%} of {self.steps} steps; "
+                f"acceptance per position {rates}; step cost "
+                f"{policy.cost.overhead * 1e3:.1f} ms + {policy.cost.scale:.2f} x profile")
+        self.reset()
+        return line
