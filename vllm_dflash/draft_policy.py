@@ -102,7 +102,7 @@ class StepCostModel:
         w, sx, sy, sxx, sxy = self.stats
         mean_x, mean_y = sx / w, sy / w
         var_x, cov = sxx / w - mean_x**2, sxy / w - mean_x * mean_y
-        ridge = (0.2 * mean_x) ** 2
+        ridge = (0.05 * mean_x) ** 2
         self.scale = float(np.clip((cov + ridge) / (var_x + ridge), 0.25, 4.0))
         self.overhead = max(mean_y - self.scale * mean_x, 0.0)
 
@@ -137,15 +137,26 @@ class AcceptanceModel:
         overall = (self.accepted.sum() + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (
             self.reached.sum() + PRIOR_WEIGHT)
         own = np.array([self.requests.get(r, (0.0, 0.0)) for r in req_ids]).reshape(-1, 2)
-        # A request's own rate, shrunk towards the engine's, scales every position's rate.
-        factor = (own[:, 1] + overall * PRIOR_WEIGHT) / (own[:, 0] + PRIOR_WEIGHT) / overall
-        rates = np.clip(self.rates()[None, :] * factor[:, None], 0.0, 0.999)
+        own_rate = (own[:, 1] + overall * PRIOR_WEIGHT) / (own[:, 0] + PRIOR_WEIGHT)
+        # A request's own rate, shrunk towards the engine's, shifts every position's log-odds
+        # by its own log-odds against the engine's: easy requests approach 1 at every position.
+        shift = _logit(own_rate) - _logit(overall)
+        rates = _sigmoid(_logit(self.rates())[None, :] + shift[:, None])
         expected = np.cumsum(np.cumprod(rates, axis=1), axis=1)
         return np.concatenate([np.zeros((len(req_ids), 1)), expected], axis=1)
 
     def forget_except(self, req_ids: list[str]) -> None:
         keep = set(req_ids)
         self.requests = {r: v for r, v in self.requests.items() if r in keep}
+
+
+def _logit(p: np.ndarray | float) -> np.ndarray:
+    p = np.clip(p, 1e-4, 1 - 1e-4)
+    return np.log(p / (1 - p))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1 / (1 + np.exp(-x))
 
 
 @dataclass

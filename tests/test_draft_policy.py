@@ -1,0 +1,149 @@
+"""The adaptive draft-length policy on synthetic acceptance and cost curves (no vLLM)."""
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from vllm_dflash.draft_policy import (
+    EXPLORE_INTERVAL,
+    AcceptanceModel,
+    DraftPolicy,
+    StepCostModel,
+    StepProfile,
+    draft_levels,
+)
+
+TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+BATCHES = [1, 2, 4, 8, 16, 32, 64]
+
+
+def profile(overhead_s: float, per_token_s: float, drafter_s: float = 0.001) -> StepProfile:
+    """A target whose step costs overhead + per_token * T, and a drafter of fixed cost."""
+    return StepProfile(TOKENS, [overhead_s + per_token_s * t for t in TOKENS],
+                       BATCHES, [drafter_s] * len(BATCHES))
+
+
+def run_steps(policy: DraftPolicy, acceptance: dict[str, float], steps: int,
+              seed: int = 0) -> list[list[int]]:
+    """Plan and feed back `steps` steps; each request accepts each draft position with its
+    own probability. Returns the planned lengths of every step."""
+    rng = random.Random(seed)
+    req_ids = list(acceptance)
+    history = []
+    for _ in range(steps):
+        plan = policy.plan(req_ids)
+        drafts = []
+        for req_id, length in zip(req_ids, plan.lengths):
+            accepted = 0
+            while accepted < length and rng.random() < acceptance[req_id]:
+                accepted += 1
+            if length:
+                drafts.append((req_id, length, accepted))
+        policy.acceptance.observe(drafts)
+        history.append(plan.lengths)
+    return history
+
+
+def test_draft_levels():
+    assert draft_levels(1) == [0, 1]
+    assert draft_levels(5) == [0, 1, 3, 5]
+    assert draft_levels(7) == [0, 1, 3, 7]
+    assert draft_levels(15) == [0, 1, 3, 7, 15]
+
+
+def test_acceptance_model_measures_conditional_rates():
+    model = AcceptanceModel(max_draft=3)
+    # Position 1 accepted 3 of 4 times; position 2 (reached 3 times) accepted once.
+    model.observe([("a", 3, 0), ("b", 3, 1), ("c", 3, 1), ("d", 1, 1)] * 100)
+    rates = model.rates()
+    assert rates[0] == pytest.approx(0.75, abs=0.02)
+    assert rates[1] == pytest.approx(0.0, abs=0.05)
+    expected = model.expected_accepted(["a", "b"])
+    assert expected.shape == (2, 4)
+    assert np.all(np.diff(expected, axis=1) >= 0)  # more drafts never expect fewer tokens
+
+
+def test_cost_model_fits_overhead_and_scale():
+    model = StepCostModel(profile(0.002, 0.0001))
+    rng = np.random.default_rng(0)
+    for tokens in rng.integers(1, 600, size=500):
+        profiled = float(model.profiled(np.array(tokens), 8, np.array(False)))
+        model.observe(int(tokens), 8, False, 0.003 + 1.5 * profiled)
+    assert model.overhead == pytest.approx(0.003, rel=0.05)
+    assert model.scale == pytest.approx(1.5, rel=0.05)
+
+
+def test_no_drafting_when_verifying_costs_more_than_it_saves():
+    # Every query token costs the same and nothing is accepted: drafts only add cost.
+    policy = DraftPolicy(7, profile(0.0, 0.001))
+    history = run_steps(policy, {f"r{i}": 0.0 for i in range(16)}, steps=200)
+    assert policy.choose([f"r{i}" for i in range(16)]).tolist() == [0] * 16
+    # Past the first measurements only the exploring request drafts, once per interval.
+    late = history[100:]
+    assert sum(map(sum, late)) <= 7 * (len(late) // EXPLORE_INTERVAL + 1)
+
+
+def test_full_block_when_acceptance_is_high_and_steps_are_cheap():
+    # Steps cost the same whatever their size (small batch on a big accelerator).
+    policy = DraftPolicy(7, profile(0.01, 0.0))
+    history = run_steps(policy, {f"r{i}": 0.95 for i in range(4)}, steps=100)
+    assert history[-1] == [7] * 4
+    assert all(lengths == [7] * 4 for lengths in history)  # on from the prior, never off
+
+
+def test_prior_starts_drafting_and_measurements_stop_it():
+    # A cheap step favours drafting under the prior; measuring acceptance 0 turns it off.
+    policy = DraftPolicy(7, profile(0.005, 0.0001))
+    first = policy.plan(["a"])
+    assert first.lengths == [7] and first.num_draft == 7
+    run_steps(policy, {"a": 0.0}, steps=50)
+    assert policy.choose(["a"]).tolist() == [0]
+
+
+def test_drafting_comes_back_through_exploration():
+    # Acceptance looks useless at first, then the drafter becomes excellent: exploration
+    # measures it and drafting switches back on.
+    policy = DraftPolicy(7, profile(0.005, 0.0001))
+    run_steps(policy, {"a": 0.0, "b": 0.0}, steps=100)
+    assert not policy.drafting
+    history = run_steps(policy, {"a": 0.98, "b": 0.98}, steps=40 * EXPLORE_INTERVAL)
+    assert policy.drafting and history[-1] == [7, 7]
+
+
+def test_exploration_prepares_full_drafts_the_step_before():
+    policy = DraftPolicy(7, profile(0.0, 0.001))
+    run_steps(policy, {"a": 0.0, "b": 0.0}, steps=3 * EXPLORE_INTERVAL)
+    plans = [policy.plan(["a", "b"]) for _ in range(EXPLORE_INTERVAL)]
+    exploring = [i for i, plan in enumerate(plans) if max(plan.lengths) > 0]
+    assert len(exploring) == 1
+    i = exploring[0]
+    assert max(plans[i].lengths) == 7 and sorted(plans[i].lengths) == [0, 7]
+    assert plans[i - 1].num_draft == 7  # the drafter ran with the full block the step before
+
+
+def test_requests_with_poor_acceptance_draft_less():
+    # Per-token cost large enough that only confident drafts pay.
+    policy = DraftPolicy(7, profile(0.002, 0.0004))
+    acceptance = {f"good{i}": 0.97 for i in range(4)} | {f"poor{i}": 0.3 for i in range(4)}
+    run_steps(policy, acceptance, steps=300)
+    lengths = dict(zip(acceptance, policy.choose(list(acceptance)).tolist()))
+    assert min(lengths[f"good{i}"] for i in range(4)) > max(lengths[f"poor{i}"] for i in range(4))
+
+
+def test_stable_near_the_break_even_point():
+    # Drafting and plain decoding nearly tie: noisy measurements must not flip the decision
+    # step to step.
+    policy = DraftPolicy(3, profile(0.0, 0.001, drafter_s=0.0))
+    history = run_steps(policy, {f"r{i}": 0.5 for i in range(8)}, steps=400, seed=1)
+    switches = sum((sum(a) > 0) != (sum(b) > 0) for a, b in itertools.pairwise(history))
+    on_off = [sum(lengths) > 0 for lengths in history]
+    assert switches <= 2 * (len(history) // EXPLORE_INTERVAL) + 4, on_off
+
+
+def test_drafter_skipped_when_no_request_drafts():
+    policy = DraftPolicy(7, profile(0.0, 0.001))
+    run_steps(policy, {"a": 0.0}, steps=40)
+    plans = [policy.plan(["a"]) for _ in range(EXPLORE_INTERVAL)]
+    assert sum(plan.num_draft == 0 for plan in plans) == EXPLORE_INTERVAL - 1

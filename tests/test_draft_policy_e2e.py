@@ -1,0 +1,119 @@
+"""The adaptive draft length inside real vLLM engines (CPU build, in-process, eager): greedy
+output identical to no speculation at concurrency 1 and 16; a good drafter keeps drafting and a
+useless one is all but switched off."""
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.engines import Pair, dflash_llm, generate_ids, plain_llm, spec_metrics
+
+PAIR_DIR = Path(__file__).parent / "fixtures" / "pair"
+MAX_NEW_TOKENS = 48
+K = 7
+
+
+class LogLines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def adaptive():
+    """Engines built inside this fixture's scope use the adaptive policy (tests/engines.py
+    makes every other test module's engines draft a fixed K)."""
+    import vllm.logger  # noqa: F401  (its logging set-up resets handlers of child loggers)
+
+    old = os.environ.get("VLLM_DFLASH_DRAFT_LENGTH")
+    os.environ["VLLM_DFLASH_DRAFT_LENGTH"] = "adaptive"
+    handler = LogLines()
+    logging.getLogger("vllm.vllm_dflash").addHandler(handler)
+    yield handler.lines
+    logging.getLogger("vllm.vllm_dflash").removeHandler(handler)
+    if old is None:
+        del os.environ["VLLM_DFLASH_DRAFT_LENGTH"]
+    else:
+        os.environ["VLLM_DFLASH_DRAFT_LENGTH"] = old
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[dict]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(PAIR_DIR / "target")
+    lines = (PAIR_DIR / "heldout_prompts.jsonl").read_text().splitlines()
+    return [{"prompt_token_ids": tokenizer(json.loads(line)["prompt"])["input_ids"]}
+            for line in lines]
+
+
+def outputs(llm, prompts: list[dict]) -> dict[str, list[list[int]]]:
+    """Greedy output of every prompt alone (concurrency 1), then of all at once (16)."""
+    alone = [generate_ids(llm, [p], max_tokens=MAX_NEW_TOKENS, ignore_eos=True)[0]
+             for p in prompts]
+    batch = generate_ids(llm, prompts, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    return {"alone": alone, "batch": batch}
+
+
+@pytest.fixture(scope="module")
+def baseline(prompts):
+    llm = plain_llm(PAIR_DIR / "target", max_num_seqs=16)
+    result = outputs(llm, prompts)
+    del llm
+    return result
+
+
+@pytest.fixture(scope="module")
+def trained_run(adaptive, baseline, prompts):
+    pair = Pair(target=PAIR_DIR / "target", drafter=PAIR_DIR / "drafter", block_size=8)
+    llm = dflash_llm(pair, K, max_num_seqs=16)
+    result = outputs(llm, prompts)
+    metrics = spec_metrics(llm)  # read before the next engine re-registers vLLM's metrics
+    del llm
+    return result, metrics
+
+
+@pytest.fixture(scope="module")
+def useless_run(adaptive, baseline, prompts, tmp_path_factory):
+    from vllm_dflash.tiny import write_random_drafter
+
+    drafter = tmp_path_factory.mktemp("random") / "drafter"
+    write_random_drafter(drafter, PAIR_DIR / "target", block_size=8, num_layers=1)
+    llm = dflash_llm(Pair(PAIR_DIR / "target", drafter, 8), K, max_num_seqs=16)
+    result = outputs(llm, prompts)
+    metrics = spec_metrics(llm)
+    del llm
+    return result, metrics
+
+
+def test_adaptive_greedy_equals_no_speculation_at_concurrency_1_and_16(baseline, trained_run):
+    got, _ = trained_run
+    assert got["alone"] == baseline["alone"]
+    assert got["batch"] == baseline["batch"]
+
+
+def test_adaptive_policy_is_on_and_logged(adaptive, trained_run):
+    assert any(line.startswith("vllm-dflash: adaptive draft length, 0..7") for line in adaptive)
+
+
+def test_good_drafter_keeps_drafting(trained_run):
+    _, m = trained_run
+    assert m["drafts"] > 0
+    assert m["draft_tokens"] <= K * m["drafts"]
+    assert 1 + m["accepted"] / m["drafts"] >= 2.5
+
+
+def test_useless_drafter_is_switched_off_losslessly(baseline, useless_run):
+    got, m = useless_run
+    assert got["alone"] == baseline["alone"]
+    assert got["batch"] == baseline["batch"]
+    # A fixed K would verify 7 draft tokens per step, about 7 per output token here; the
+    # policy stops drafting once it measures that nothing is accepted.
+    output_tokens = 2 * 16 * MAX_NEW_TOKENS
+    assert m["draft_tokens"] < 0.5 * output_tokens, m
