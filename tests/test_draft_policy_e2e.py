@@ -13,6 +13,7 @@ from tests.engines import Pair, dflash_llm, generate_ids, plain_llm, spec_metric
 
 PAIR_DIR = Path(__file__).parent / "fixtures" / "pair"
 MAX_NEW_TOKENS = 48
+LONG_NEW_TOKENS = 120
 K = 7
 
 
@@ -61,10 +62,15 @@ def outputs(llm, prompts: list[dict]) -> dict[str, list[list[int]]]:
     return {"alone": alone, "batch": batch}
 
 
+def long_outputs(llm, prompts: list[dict]) -> list[list[int]]:
+    """Every request grows past one 128-token KV block."""
+    return generate_ids(llm, prompts, max_tokens=LONG_NEW_TOKENS, ignore_eos=True)
+
+
 @pytest.fixture(scope="module")
 def baseline(prompts):
     llm = plain_llm(PAIR_DIR / "target", max_num_seqs=16)
-    result = outputs(llm, prompts)
+    result = outputs(llm, prompts) | {"long": long_outputs(llm, prompts)}
     del llm
     return result
 
@@ -117,3 +123,20 @@ def test_useless_drafter_is_switched_off_losslessly(baseline, useless_run):
     # policy stops drafting once it measures that nothing is accepted.
     output_tokens = 2 * 16 * MAX_NEW_TOKENS
     assert m["draft_tokens"] < 0.5 * output_tokens, m
+
+
+def test_preemption_and_chunked_prefill_with_adaptive_lengths(adaptive, baseline, prompts):
+    # 8 KV blocks of 128 tokens for 16 requests that each need 2: the scheduler preempts and
+    # recomputes while draft lengths vary per request; a 64-token budget chunks the prompts.
+    pair = Pair(target=PAIR_DIR / "target", drafter=PAIR_DIR / "drafter", block_size=8)
+    llm = dflash_llm(pair, K, max_num_seqs=16, num_gpu_blocks_override=8,
+                     max_num_batched_tokens=64)
+    try:
+        assert long_outputs(llm, prompts) == baseline["long"]
+        preemptions = {m.name: m for m in llm.get_metrics()}["vllm:num_preemptions"].value
+        assert preemptions > 0
+        # Every block comes back: reserved draft slots neither leak nor outlive a request.
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        assert scheduler.kv_cache_manager.usage == 0.0
+    finally:
+        del llm
