@@ -49,6 +49,7 @@ def test_offline_writes_json_png_and_table(offline):
     # Each run set its method's environment before building its engine: this is our proposer.
     log = (out / "logs" / "offline-vllm-dflash-c1.log").read_text()
     assert "implementation=vllm-dflash (vllm_dflash.proposer.DFlashProposer)" in log
+    assert "vllm-dflash: adaptive draft length" in log
 
 
 def test_offline_numbers_are_sane(offline):
@@ -73,6 +74,9 @@ def test_offline_numbers_are_sane(offline):
 def test_server_mode_reports_latencies(pair, tmp_path):
     report = bench(pair, tmp_path / "out", "--server", "--concurrency", "2",
                    "--methods", "vllm-dflash")
+    # The server's engine-core process loads the plugin itself: the policy is on there too.
+    log = (tmp_path / "out" / "logs" / "server-vllm-dflash-c2.log").read_text()
+    assert "vllm-dflash: adaptive draft length" in log
     (run,) = report["runs"]
     assert "error" not in run, run
     assert run["requests"] == len(PROMPTS) and run["output_tokens_per_s"] > 0

@@ -140,16 +140,19 @@ def _patch_engine_args() -> None:
 def _patch_engine_core() -> None:
     # The draft-length policy lives beside vLLM's scheduler, in the engine-core process, where
     # acceptance counts and step times are on the host. It starts from a profile of the
-    # workers' forward passes, taken once the KV cache and CUDA graphs exist.
+    # workers' forward passes, taken once the KV cache and CUDA graphs exist. The hook runs
+    # right after EngineCore builds its scheduler (vLLM 0.32 calls
+    # _initialize_effective_attention_block_size there); EngineCore.__init__ itself cannot be
+    # wrapped: an engine-core process loads this plugin from inside it.
     from vllm.v1.engine.core import EngineCore
 
-    init = EngineCore.__init__
-    if getattr(init, "vllm_dflash", False):
+    after_scheduler = EngineCore._initialize_effective_attention_block_size
+    if getattr(after_scheduler, "vllm_dflash", False):
         return
 
-    def __init__(self, vllm_config, *args, **kwargs):
-        init(self, vllm_config, *args, **kwargs)
-        spec = vllm_config.speculative_config
+    def attach_draft_policy(self) -> None:
+        after_scheduler(self)
+        spec = self.vllm_config.speculative_config
         if spec is None or spec.method != "dflash" or draft_length_mode() == "fixed":
             return
         if spec.num_speculative_tokens_per_batch_size:
@@ -167,8 +170,8 @@ def _patch_engine_core() -> None:
             profile.tokens, _ms(profile.target_s), profile.batch_sizes, _ms(profile.drafter_s),
         )
 
-    __init__.vllm_dflash = True
-    EngineCore.__init__ = __init__
+    attach_draft_policy.vllm_dflash = True
+    EngineCore._initialize_effective_attention_block_size = attach_draft_policy
 
 
 def _profile_step_costs(worker):  # runs in every worker, through collective_rpc
