@@ -87,6 +87,7 @@ def register() -> None:
     _patch_engine_args()
     _patch_engine_core()
     _patch_scheduler()
+    _patch_cpu_seeded_chunked_prefill()
     _registered = True
 
 
@@ -247,6 +248,45 @@ def _observe_step(policy, scheduler_output, model_runner_output) -> None:
     summary = policy.summary()
     if summary:
         logger.info("vllm-dflash: %s", summary)
+
+
+def _patch_cpu_seeded_chunked_prefill() -> None:
+    # vLLM 0.32 samples a token for every scheduled request, also one whose prompt is only
+    # partly prefilled, and discards it. So that the discarded sample does not advance a seeded
+    # request's generator (its output must not depend on how the prompt was chunked),
+    # _bookkeeping_sync rewinds it with Generator.set_offset, which CPU generators lack: the
+    # engine stops ("CPU Generator does not use offset"), with or without speculation. On CPU,
+    # save those generators' states before sampling and restore them after, which is the
+    # rewind done exactly, and keep _bookkeeping_sync from rewinding them again.
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    sample, bookkeeping = GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync
+    if not current_platform.is_cpu() or getattr(sample, "vllm_dflash", False):
+        return
+
+    def sample_keeping_discarded_generators(self, logits, spec_decode_metadata):
+        generators = self.input_batch.generators
+        num_reqs = self.input_batch.num_reqs
+        discarded = self.discard_request_mask.np[:num_reqs].nonzero()[0].tolist()
+        saved = {i: generators[i].get_state() for i in discarded if i in generators}
+        output = sample(self, logits, spec_decode_metadata)
+        for i, state in saved.items():
+            generators[i].set_state(state)
+        return output
+
+    def bookkeeping_without_rewind(self, *args, **kwargs):
+        # input_batch.generators is read in _bookkeeping_sync only for the rewind.
+        generators = self.input_batch.generators
+        self.input_batch.generators = {}
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            self.input_batch.generators = generators
+
+    sample_keeping_discarded_generators.vllm_dflash = True
+    GPUModelRunner._sample = sample_keeping_discarded_generators
+    GPUModelRunner._bookkeeping_sync = bookkeeping_without_rewind
 
 
 def use_dflash_verification() -> None:

@@ -1,0 +1,94 @@
+"""Seeded sampling with chunked prefill on vLLM's CPU build.
+
+vLLM samples and discards a token on every step that prefills only part of a prompt, and
+rewinds a seeded request's generator with Generator.set_offset, so that the output does not
+depend on how the prompt was chunked. CPU generators lack set_offset (vLLM 0.32 stopped the
+engine); the plugin restores those generators instead. A seeded request's output is then the
+output of the same request prefilled in one step, as on GPU, with and without speculation.
+Speculation draws from the request's generator too, so each engine is compared with the same
+engine unchunked, not with the other.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.engines import Pair, dflash_llm, plain_llm, spec_metrics
+
+TRAINED_DIR = Path(__file__).parent / "fixtures" / "pair"
+# 64 tokens a step: the 300- and 130-token prompts take several steps, the short ones share the
+# budget with them. 1024: the whole batch (about 650 prompt tokens) is prefilled in one step.
+CHUNKED = {"max_num_batched_tokens": 64}
+UNCHUNKED = {"max_num_batched_tokens": 1024}
+
+
+@pytest.fixture(scope="module")
+def trained() -> Pair:
+    # Its drafts are really accepted, so seeded requests go through rejection sampling.
+    return Pair(target=TRAINED_DIR / "target", drafter=TRAINED_DIR / "drafter", block_size=8)
+
+
+@pytest.fixture(scope="module")
+def batch(trained) -> list[dict]:
+    """Prompts of 300 and 130 tokens, then four held-out prompts (42 to 60 tokens)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(trained.target)
+    lines = (TRAINED_DIR / "heldout_prompts.jsonl").read_text().splitlines()[:8]
+    prompts = [tokenizer(json.loads(line)["prompt"])["input_ids"] for line in lines]
+    text = [t for p in prompts for t in p]
+    return [{"prompt_token_ids": ids} for ids in (text[:300], text[:130], *prompts[:4])]
+
+
+@pytest.fixture(scope="module")
+def plain_unchunked(trained):
+    llm = plain_llm(trained.target, **UNCHUNKED)
+    yield llm
+    del llm
+
+
+@pytest.fixture(scope="module")
+def plain_chunked(trained, plain_unchunked):
+    llm = plain_llm(trained.target, **CHUNKED)
+    yield llm
+    del llm
+
+
+@pytest.fixture(scope="module")
+def dflash_unchunked(trained, plain_chunked):
+    llm = dflash_llm(trained, trained.block_size - 1, **UNCHUNKED)
+    yield llm
+    del llm
+
+
+@pytest.fixture(scope="module")
+def dflash_chunked(trained, dflash_unchunked):
+    # Built last: each in-process engine re-registers vLLM's Prometheus metrics, so this is the
+    # engine whose spec-decode counters get_metrics() reads.
+    llm = dflash_llm(trained, trained.block_size - 1, **CHUNKED)
+    yield llm
+    del llm
+
+
+def seeded_outputs(llm, prompts: list[dict]) -> list[list[int]]:
+    """Token ids of seeded sampled completions, top-k on every other request."""
+    from vllm import SamplingParams
+
+    sampling = [SamplingParams(temperature=0.8, seed=21 + i, top_k=40 if i % 2 else 0,
+                               max_tokens=16) for i in range(len(prompts))]
+    outputs = llm.generate(prompts, sampling, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_seeded_chunked_prefill_without_speculation(plain_unchunked, plain_chunked, batch):
+    want = seeded_outputs(plain_unchunked, batch)
+    assert seeded_outputs(plain_chunked, batch) == want
+    assert seeded_outputs(plain_chunked, batch) == want  # reproducible
+
+
+def test_seeded_chunked_prefill_with_speculation(dflash_unchunked, dflash_chunked, batch):
+    want = seeded_outputs(dflash_unchunked, batch)
+    assert seeded_outputs(dflash_chunked, batch) == want
+    assert seeded_outputs(dflash_chunked, batch) == want  # reproducible
+    assert spec_metrics(dflash_chunked)["accepted"] > 0
