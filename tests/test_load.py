@@ -36,9 +36,8 @@ def servers(tmp_path_factory):
 def request_bodies(pair, model: str) -> list[dict]:
     """NUM_CLIENTS requests: prompt lengths and sampling settings cycle independently.
 
-    Sampled requests carry no seed: under load prompts are prefilled in chunks, and vLLM 0.32's
-    CPU build stops the engine on a seeded request prefilled in chunks, with or without
-    speculation (README, known issues)."""
+    Sampled requests carry seeds: under load their prompts are prefilled in chunks, which vLLM
+    0.32's CPU build does for seeded requests only with the plugin's fix."""
     prompts = prompts_of_lengths(pair.target, PROMPT_LENGTHS * 11, seed=1)
     settings = [
         {"temperature": 0.0},
@@ -54,6 +53,8 @@ def request_bodies(pair, model: str) -> list[dict]:
         body = {"model": model, "prompt": prompts[i]["prompt_token_ids"],
                 "max_tokens": 16 + i % 9, "stream": True,
                 "stream_options": {"include_usage": True}, **settings[i % len(settings)]}
+        if body["temperature"] > 0:
+            body["seed"] = i
         bodies.append(body)
     return bodies
 
