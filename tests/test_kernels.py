@@ -28,6 +28,7 @@ import torch
 from vllm_dflash.kernels.draft_attention import (
     draft_attention,
     draft_attention_reference,
+    draft_attention_torch,
     draft_attention_triton,
 )
 from vllm_dflash.kernels.kv_injection import (
@@ -222,6 +223,41 @@ def test_draft_attention_reference_bf16() -> None:
     torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
 
 
+# (context_lens, query_lens): ragged with empty contexts; the proposer's equal blocks (no
+# padding); contexts over several cache blocks; every context empty.
+ATTENTION_BATCHES = [([0, 5, 13, 70], [3, 1, 4, 6]), ([40, 3, 0], [8, 8, 8]),
+                     ([9, 33, 17], [1, 5, 2]), ([0, 0], [2, 3])]
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("causal,sliding_window", MASKS)
+@pytest.mark.parametrize("context_lens,query_lens", ATTENTION_BATCHES)
+def test_draft_attention_torch_matches_reference(
+    group: int, causal: bool, sliding_window: int | None, context_lens: list[int],
+    query_lens: list[int],
+) -> None:
+    args = attention_batch(context_lens, query_lens, 2 * group, 2, 16, torch.float32,
+                           "permuted", seed=group)
+    flags = {"scale": 0.25, "causal": causal, "sliding_window": sliding_window}
+    torch.testing.assert_close(draft_attention_torch(**args, **flags),
+                               draft_attention_reference(**args, **flags),
+                               **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "padded", "strided_dim"])
+def test_draft_attention_torch_layouts_bf16_and_extra_rows(layout: str) -> None:
+    """bf16, every cache layout, a max_query_len above the longest query, and q rows past
+    query_start_loc[-1] (left undefined, the rest must match)."""
+    args = attention_batch([6, 0, 21], [4, 4, 2], 4, 2, 16, torch.bfloat16, layout)
+    flags = {"scale": 0.25, "causal": True, "sliding_window": 9}
+    expected = draft_attention_reference(**args, **flags)
+    torch.testing.assert_close(draft_attention_torch(**args, **flags, max_query_len=6),
+                               expected, **TOLERANCES[torch.bfloat16])
+    extra = {**args, **{name: torch.cat([args[name], args[name][:3]]) for name in "qkv"}}
+    got = draft_attention_torch(**extra, **flags)
+    torch.testing.assert_close(got[:10], expected, **TOLERANCES[torch.bfloat16])
+
+
 def test_kv_injection_reference_matches_naive() -> None:
     args = injection_batch(11, 24, 3, 2, 16, torch.float32, ["permuted", "padded", "contiguous"])
     expected = with_cache_copies(args)
@@ -241,7 +277,7 @@ def test_dispatch_on_cpu_uses_torch_fallbacks() -> None:
     batch = attention_batch([3, 8], [2, 5], 4, 2, 16, torch.float32, "permuted")
     torch.testing.assert_close(
         draft_attention(**batch, scale=0.25, causal=True, sliding_window=None),
-        draft_attention_reference(**batch, scale=0.25, causal=True, sliding_window=None),
+        draft_attention_torch(**batch, scale=0.25, causal=True, sliding_window=None),
         atol=0, rtol=0,
     )
 

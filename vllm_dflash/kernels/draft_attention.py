@@ -11,8 +11,9 @@ Masks: non-causal without window: every key of the request (context and whole bl
 causal: key_pos <= query_pos. sliding window w: causal -> query_pos - key_pos < w,
 non-causal -> |query_pos - key_pos| < w.
 
-Two paths: a flash-style Triton kernel (online softmax, fp32 accumulation, GQA heads packed into
-the query tile) and the pure-torch reference used on CPU. No CUDA version: see csrc/kv_injection.cu.
+Three paths: a flash-style Triton kernel (online softmax, fp32 accumulation, GQA heads packed into
+the query tile); the torch fallback used on CPU, every request at once; the pure-torch reference,
+one request at a time, that both are tested against. No CUDA version: see csrc/kv_injection.cu.
 """
 
 import math
@@ -45,7 +46,7 @@ def draft_attention_reference(
     causal: bool,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """Torch fallback (and test oracle), one request at a time, fp32 softmax.
+    """Test oracle, one request at a time, fp32 softmax.
 
     q [Tq, Hq, D], k/v [Tq, Hkv, D], kv_cache [num_blocks, Hkv, block_size, 2D],
     block_table [N, max_blocks] int32, context_lens [N] int32, query_start_loc [N+1] int32.
@@ -70,6 +71,123 @@ def draft_attention_reference(
         probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
     return out
+
+
+def draft_attention_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    causal: bool,
+    sliding_window: int | None,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Torch fallback (CPU): `draft_attention_reference` for all requests at once, fp32 softmax.
+
+    The reference loops over requests, ~40 ops each per layer; here a layer costs a fixed ~50
+    ops whatever the batch size. Requests are padded to max_query_len queries (nothing to pad
+    for the proposer's equal blocks) and to the cache blocks of the longest context.
+    max_query_len: see `draft_attention_triton`.
+    """
+    num_requests, num_tokens = context_lens.shape[0], q.shape[0]
+    if max_query_len is None:
+        max_query_len = int(query_start_loc.diff().max()) if num_requests else 0
+    if num_requests == 0 or max_query_len == 0 or num_tokens == 0:
+        return torch.empty_like(q)
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    group = q.shape[1] // num_kv_heads
+    rows = _padded_rows(query_start_loc, num_tokens, max_query_len)
+    qg = _heads_second(_take(q, rows), num_requests, group)  # [N, Hkv, Lq * group, D]
+    block_k = _heads_second(_take(k, rows), num_requests, 1)  # [N, Hkv, Lq, D]
+    block_v = _heads_second(_take(v, rows), num_requests, 1)
+    ctx = _context_blocks(kv_cache, block_table, context_lens).float()  # [N, Hkv, S, 2D]
+    num_ctx = ctx.shape[2]
+    ctx_k, ctx_v = ctx[..., :head_dim], ctx[..., head_dim:]
+    scores = torch.cat([qg @ ctx_k.mT, qg @ block_k.mT], dim=-1) * scale
+    scores = scores.view(num_requests, num_kv_heads, max_query_len, group, -1)
+    query_lens = None if rows is None else query_start_loc.diff()
+    hidden = _hidden_keys(context_lens, num_ctx, query_lens, max_query_len, causal,
+                          sliding_window)
+    probs = scores.masked_fill(hidden[:, None, :, None], float("-inf")).softmax(dim=-1)
+    probs = probs.flatten(2, 3)
+    out = probs[..., :num_ctx] @ ctx_v + probs[..., num_ctx:] @ block_v  # [N, Hkv, Lq*group, D]
+    out = out.view(num_requests, num_kv_heads, max_query_len, group, head_dim).transpose(1, 2)
+    out = out.reshape(-1, *q.shape[1:]).to(q.dtype)
+    if rows is None:
+        return out
+    # Padded query rows land in a spare last row.
+    result = q.new_empty(num_tokens + 1, *q.shape[1:])
+    result[torch.where(rows >= 0, rows, num_tokens)] = out
+    return result[:num_tokens]
+
+
+def _padded_rows(
+    query_start_loc: torch.Tensor, num_tokens: int, max_query_len: int
+) -> torch.Tensor | None:
+    """[N * Lq] the row of query i of request r (query_start_loc[r] + i), -1 for padding; None
+    when there is no padding: every request has Lq queries and q no rows past them."""
+    num_requests = query_start_loc.shape[0] - 1
+    if num_tokens == num_requests * max_query_len and int(query_start_loc[-1]) == num_tokens:
+        return None
+    rows = query_start_loc[:-1, None] + torch.arange(max_query_len, device=query_start_loc.device)
+    return torch.where(rows < query_start_loc[1:, None], rows, -1).flatten()
+
+
+def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """x's rows in padded order (padding reads row 0), fp32."""
+    return (x if rows is None else x[rows.clamp(min=0)]).float()
+
+
+def _heads_second(x: torch.Tensor, num_requests: int, group: int) -> torch.Tensor:
+    """[N * Lq, Hkv * group, D] -> [N, Hkv, Lq * group, D], row = query * group + head in group:
+    the layout of `_context_blocks`, so each matmul batches (request, KV head) without copies."""
+    num_kv_heads, head_dim = x.shape[1] // group, x.shape[2]
+    x = x.view(num_requests, -1, num_kv_heads, group, head_dim).transpose(1, 2)
+    return x.reshape(num_requests, num_kv_heads, -1, head_dim)
+
+
+def _context_blocks(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor
+) -> torch.Tensor:
+    """[N, Hkv, S, 2D]: the first S slots of every request, S = the longest context rounded up
+    to whole blocks; one index_select of whole blocks (copied again only when S > one block).
+
+    Slots past a request's context hold its stale slots or other requests' K/V: finite values
+    (vLLM zero-fills the cache and only writes K/V to it) that the mask gives probability 0.
+    """
+    num_kv_heads, block_size, width = kv_cache.shape[1:]
+    num_blocks = -(-int(context_lens.max()) // block_size)
+    blocks = kv_cache.index_select(0, block_table[:, :num_blocks].flatten())
+    num_requests = context_lens.shape[0]
+    blocks = blocks.view(num_requests, num_blocks, num_kv_heads, block_size, width).transpose(1, 2)
+    return blocks.reshape(num_requests, num_kv_heads, num_blocks * block_size, width)
+
+
+def _hidden_keys(
+    context_lens: torch.Tensor, num_ctx: int, query_lens: torch.Tensor | None,
+    max_query_len: int, causal: bool, sliding_window: int | None,
+) -> torch.Tensor:
+    """[N, Lq, num_ctx + Lq] bool, True = hidden; keys: num_ctx context slots, then the block.
+
+    Causality never hides a context key (all precede every query). Within the block the mask is
+    the same for every request, and padded queries (query_lens None: none) are no keys.
+    """
+    device = context_lens.device
+    offsets = torch.arange(max_query_len, device=device)
+    ctx_pos = torch.arange(num_ctx, device=device)
+    ctx_hidden = ctx_pos >= context_lens[:, None, None]  # [N, 1, S]
+    if sliding_window is not None:
+        q_pos = context_lens[:, None, None] + offsets[:, None]  # [N, Lq, 1]
+        ctx_hidden = ctx_hidden | (q_pos - ctx_pos >= sliding_window)
+    block_hidden = ~_mask(offsets, offsets, causal, sliding_window)  # [Lq, Lq]
+    if query_lens is not None:
+        block_hidden = block_hidden | (offsets >= query_lens[:, None, None])  # [N, Lq, Lq]
+    shape = (context_lens.shape[0], max_query_len, -1)
+    return torch.cat([ctx_hidden.expand(shape), block_hidden.expand(shape)], dim=-1)
 
 
 @triton.jit
@@ -272,4 +390,4 @@ def draft_attention(
             sliding_window)
     if q.is_cuda:
         return draft_attention_triton(*args, max_query_len=max_query_len)
-    return draft_attention_reference(*args)
+    return draft_attention_torch(*args, max_query_len=max_query_len)
