@@ -16,6 +16,62 @@ SHAPE_FIX = (
     "num_attention_heads, num_key_value_heads, head_dim, target_layer_ids) or re-save the "
     "drafter with save_drafter"
 )
+# What a drafter needs from a hub repo; other files (README, training state) are not fetched.
+HUB_FILES = ["config.json", "*.safetensors"]
+
+
+def drafter_dir(model: str | Path, revision: str | None = None) -> Path:
+    """The local directory of a drafter given as a directory or as a Hugging Face hub id.
+
+    A hub id resolves as vLLM resolves its own models: to the snapshot of `revision` (default
+    main) in the Hugging Face cache (HF_HUB_CACHE), downloading config.json and *.safetensors
+    first unless HF_HUB_OFFLINE is set.
+    """
+    path = Path(model)
+    if path.is_dir():
+        return path
+    if not _is_hub_id(str(model)):
+        raise DFlashConfigError(
+            f"drafter directory {str(model)!r} does not exist; fix: pass the directory holding "
+            "config.json and *.safetensors, or a hub id (org/name)"
+        )
+    return _hub_snapshot(str(model), revision)
+
+
+def _is_hub_id(name: str) -> bool:
+    from huggingface_hub.utils import validate_repo_id  # needed for hub ids only
+
+    try:
+        validate_repo_id(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import constants, snapshot_download
+
+    offline = constants.HF_HUB_OFFLINE
+    try:
+        snapshot = snapshot_download(
+            repo_id, revision=revision, allow_patterns=HUB_FILES, local_files_only=offline
+        )
+    except OSError as err:  # huggingface_hub's lookup and download errors are all OSErrors
+        where = f"hub model {repo_id!r} at revision {revision or 'main'!r}"
+        if offline:
+            download = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
+            raise DFlashConfigError(
+                f"drafter {repo_id!r} is not a local directory, and the {where} is not in the "
+                f"Hugging Face cache {constants.HF_HUB_CACHE} while HF_HUB_OFFLINE is set; fix: "
+                f"download it where the hub is reachable ({download} --include config.json "
+                "'*.safetensors'), unset HF_HUB_OFFLINE, or pass the drafter's local directory"
+            ) from err
+        raise DFlashConfigError(
+            f"drafter {repo_id!r} is not a local directory, and the {where} could not be "
+            f"fetched ({type(err).__name__}: {err}); fix: check the hub id, the revision and "
+            "your network or HF_TOKEN, or pass the drafter's local directory"
+        ) from err
+    return Path(snapshot)
 
 
 def load_drafter(
@@ -23,8 +79,9 @@ def load_drafter(
     dtype: str | torch.dtype | None = None,
     device: torch.device | str = "cpu",
 ) -> DFlashDrafter:
-    """Build a drafter from a checkpoint dir; dtype None keeps the checkpoint's (fp32/fp16/bf16)."""
-    path = Path(path)
+    """Build a drafter from a checkpoint dir or hub id (drafter_dir); dtype None keeps the
+    checkpoint's (fp32/fp16/bf16)."""
+    path = drafter_dir(path)
     cfg = DFlashConfig.from_pretrained(path)
     state = _read_weights(path)
     # Meta device: no time spent on a random init that the checkpoint overwrites.

@@ -157,13 +157,11 @@ class DFlashConfig:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "DFlashConfig":
-        path = Path(path)
-        if not path.is_dir():
-            raise DFlashConfigError(
-                f"drafter directory {str(path)!r} does not exist; "
-                "fix: pass the directory holding config.json and *.safetensors"
-            )
+    def from_pretrained(cls, model: str | Path) -> "DFlashConfig":
+        """Read config.json of a drafter directory or hub id (checkpoint.drafter_dir)."""
+        from vllm_dflash.checkpoint import drafter_dir  # checkpoint.py imports this module
+
+        path = drafter_dir(model)
         config_file = path / "config.json"
         if not config_file.is_file():
             raise DFlashConfigError(

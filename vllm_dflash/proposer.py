@@ -130,7 +130,16 @@ def validate_speculative_config(spec: Any, target: Any) -> DFlashConfig:
     Runs in the worker before the drafter loads, and earlier in the front-end process at
     config time (plugin.py), where an error reaches the caller before any engine starts.
     """
-    cfg = DFlashConfig.from_pretrained(spec.draft_model_config.model)
+    draft = spec.draft_model_config
+    if draft.revision is not None and not Path(draft.model).is_dir():
+        # load_model loads the weights at the hub's default revision: refuse rather than pair
+        # this revision's config.json with other weights.
+        raise DFlashConfigError(
+            f"revision={draft.revision!r} for the hub drafter {draft.model!r} is not supported "
+            f"yet; fix: download that revision (hf download {draft.model} --revision "
+            f"{draft.revision}) and pass its snapshot directory as the drafter model"
+        )
+    cfg = DFlashConfig.from_pretrained(draft.model)  # a directory or a hub id
     validate_against_target(
         cfg,
         target_hidden_size=target.get_hidden_size(),
