@@ -34,6 +34,7 @@ from vllm_dflash.kernels.draft_attention import (
 from vllm_dflash.kernels.kv_injection import (
     kv_injection,
     kv_injection_reference,
+    kv_injection_torch,
     kv_injection_triton,
 )
 from vllm_dflash.layers import rope_cos_sin_cache
@@ -265,6 +266,23 @@ def test_kv_injection_reference_matches_naive() -> None:
     naive_kv_injection(**expected)
     for got, want in zip(args["kv_caches"], expected["kv_caches"]):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padding", ["some", "none", "all"])
+def test_kv_injection_torch_equals_reference(dtype: torch.dtype, padding: str) -> None:
+    """Bit for bit, with padding slots or none or only, a different cache layout per layer."""
+    args = injection_batch(11, 24, 3, 2, 16, dtype, ["permuted", "padded", "strided_dim"])
+    if padding == "none":
+        keep = args["slot_mapping"] >= 0
+        args |= {name: args[name][keep] for name in ("ctx", "positions", "slot_mapping")}
+    elif padding == "all":
+        args["slot_mapping"][:] = -1
+    expected = with_cache_copies(args)
+    kv_injection_torch(**args)
+    kv_injection_reference(**expected)
+    for got, want in zip(args["kv_caches"], expected["kv_caches"]):
+        assert torch.equal(got, want)
 
 
 def test_dispatch_on_cpu_uses_torch_fallbacks() -> None:
