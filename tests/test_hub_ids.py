@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import huggingface_hub.constants
 import pytest
 import torch
+from huggingface_hub import ResolvedRevision
 
 from vllm_dflash.checkpoint import drafter_dir, load_drafter
 from vllm_dflash.config import DFlashConfig, DFlashConfigError
@@ -72,12 +73,25 @@ def test_hub_id_absent_offline_names_the_id_and_the_fix(hub_cache: Path) -> None
         drafter_dir("org/name", revision="v2")
 
 
-def test_revision_of_a_hub_drafter_is_refused_at_start_up(hub_cache: Path) -> None:
+def test_start_up_check_loads_a_hub_drafter_and_refuses_another_revision(
+    hub_cache: Path, drafter: Path
+) -> None:
     from vllm_dflash.proposer import validate_speculative_config
 
-    def spec(model: str | Path, revision: str) -> SimpleNamespace:
-        return SimpleNamespace(draft_model_config=SimpleNamespace(model=model, revision=revision))
+    def spec(revision: str | None) -> SimpleNamespace:
+        draft = SimpleNamespace(model="org/name", revision=revision)
+        return SimpleNamespace(draft_model_config=draft, num_speculative_tokens=7,
+                               draft_sample_method="greedy")
 
+    # The tiny target the drafter was made for (write_random_target's defaults).
+    target = SimpleNamespace(get_hidden_size=lambda: 256, get_vocab_size=lambda: 1024,
+                             hf_text_config=SimpleNamespace(num_hidden_layers=4),
+                             dtype=torch.float32, max_model_len=512)
+    # vLLM passes the default revision pinned to its commit.
+    main = ResolvedRevision(COMMIT, initial=None, repo_id="org/name")
+    want = DFlashConfig.from_pretrained(drafter)
+    assert validate_speculative_config(spec(main), target) == want
+    assert validate_speculative_config(spec(None), target) == want
     # The engine loads a hub drafter's weights at the default revision: another one is refused.
     with pytest.raises(DFlashConfigError, match="revision='v2'.*'org/name'.*not supported.*fix"):
-        validate_speculative_config(spec("org/name", "v2"), target=None)
+        validate_speculative_config(spec("v2"), target)

@@ -131,9 +131,10 @@ def validate_speculative_config(spec: Any, target: Any) -> DFlashConfig:
     config time (plugin.py), where an error reaches the caller before any engine starts.
     """
     draft = spec.draft_model_config
-    if draft.revision is not None and not Path(draft.model).is_dir():
-        # load_model loads the weights at the hub's default revision: refuse rather than pair
-        # this revision's config.json with other weights.
+    # vLLM pins the revision to a commit (a ResolvedRevision: the str of the revision asked
+    # for, "main" by default). load_model loads a hub drafter's weights at main: refuse another
+    # revision rather than pair its config.json with other weights.
+    if draft.revision not in (None, "main") and not Path(draft.model).is_dir():
         raise DFlashConfigError(
             f"revision={draft.revision!r} for the hub drafter {draft.model!r} is not supported "
             f"yet; fix: download that revision (hf download {draft.model} --revision "
