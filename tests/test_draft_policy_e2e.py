@@ -104,6 +104,22 @@ def test_adaptive_greedy_equals_no_speculation_at_concurrency_1_and_16(baseline,
     assert got["batch"] == baseline["batch"]
 
 
+def test_seeded_sampling_is_reproducible_with_adaptive_lengths(trained_run, prompts):
+    from vllm import SamplingParams
+
+    pair = Pair(target=PAIR_DIR / "target", drafter=PAIR_DIR / "drafter", block_size=8)
+    llm = dflash_llm(pair, K, max_num_seqs=16)
+    try:
+        # Seeded and greedy requests in one batch: greedy ones keep adaptive lengths.
+        params = [SamplingParams(max_tokens=32, temperature=1.0, seed=i) if i % 2 else
+                  SamplingParams(max_tokens=32, temperature=0.0) for i in range(len(prompts))]
+        first, second = ([o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+                         for _ in range(2))
+        assert first == second
+    finally:
+        del llm
+
+
 def test_adaptive_policy_is_on_and_logged(adaptive, trained_run):
     assert any(line.startswith("vllm-dflash: adaptive draft length, 0..7") for line in adaptive)
 

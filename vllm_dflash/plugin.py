@@ -209,11 +209,15 @@ def _patch_scheduler() -> None:
         policy = getattr(self, "vllm_dflash_policy", None)
         if policy is not None:
             decoding = [r for r in self.running if not r.is_prefill_chunk]
-            plan = policy.plan([r.request_id for r in decoding])
-            for request, length in zip(decoding, plan.lengths):
+            adaptive = [r for r in decoding if not _is_seeded_sampling(r)]
+            plan = policy.plan([r.request_id for r in adaptive])
+            for request, length in zip(adaptive, plan.lengths):
                 if len(request.spec_token_ids) > length:
                     request.spec_token_ids = request.spec_token_ids[:length]
-            self.dynamic_sd_lookup = _StepDraftLength(plan.num_draft)
+            # Seeded requests prefilled this step (still waiting now) draft K from the start.
+            seeded = len(adaptive) < len(decoding) or any(map(_is_seeded_sampling, self.waiting))
+            num_draft = self.num_spec_tokens if seeded else plan.num_draft
+            self.dynamic_sd_lookup = _StepDraftLength(num_draft)
         return schedule(self, *args, **kwargs)
 
     def update_from_output_with_policy(self, scheduler_output, model_runner_output):
@@ -228,6 +232,14 @@ def _patch_scheduler() -> None:
     schedule_with_policy.vllm_dflash = True
     Scheduler.schedule = schedule_with_policy
     Scheduler.update_from_output = update_from_output_with_policy
+
+
+def _is_seeded_sampling(request) -> bool:
+    # A seeded request draws one random number per verified draft token from its own
+    # generator: its output is reproducible only if its draft lengths are, so it always
+    # drafts K rather than lengths that depend on measured step times.
+    params = request.sampling_params
+    return params is not None and params.seed is not None and params.temperature > 0
 
 
 def _observe_step(policy, scheduler_output, model_runner_output) -> None:
