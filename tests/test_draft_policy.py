@@ -125,7 +125,7 @@ def test_exploration_prepares_full_drafts_the_step_before():
 
 def test_requests_with_poor_acceptance_draft_less():
     # Per-token cost large enough that only confident drafts pay.
-    policy = DraftPolicy(7, profile(0.002, 0.0004))
+    policy = DraftPolicy(7, profile(0.002, 0.0002))
     acceptance = {f"good{i}": 0.97 for i in range(4)} | {f"poor{i}": 0.3 for i in range(4)}
     run_steps(policy, acceptance, steps=300)
     lengths = dict(zip(acceptance, policy.choose(list(acceptance)).tolist()))

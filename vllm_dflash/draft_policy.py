@@ -29,9 +29,12 @@ import numpy as np
 PRIOR_ACCEPTANCE = 0.75
 PRIOR_WEIGHT = 8.0
 # Per-draft decay of the engine's counts (memory of ~200 drafts) and of a request's own counts
-# (memory of ~10 drafts): traffic changes, and requests change character within a response.
+# (memory of ~30 drafts): traffic changes, and requests change character within a response.
 GLOBAL_DECAY = 0.995
-REQUEST_DECAY = 0.9
+REQUEST_DECAY = 0.97
+# A request's own rate is shrunk towards the engine's with this many pseudo-positions: one
+# rejected block says little about the next, a persistent difference over dozens does.
+REQUEST_PRIOR_WEIGHT = 32.0
 # Per-step decay of the step-time statistics (memory of ~200 steps).
 COST_DECAY = 0.995
 # Drafting switches on or off only when the other choice is predicted this much faster:
@@ -137,7 +140,8 @@ class AcceptanceModel:
         overall = (self.accepted.sum() + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (
             self.reached.sum() + PRIOR_WEIGHT)
         own = np.array([self.requests.get(r, (0.0, 0.0)) for r in req_ids]).reshape(-1, 2)
-        own_rate = (own[:, 1] + overall * PRIOR_WEIGHT) / (own[:, 0] + PRIOR_WEIGHT)
+        own_rate = (own[:, 1] + overall * REQUEST_PRIOR_WEIGHT) / (
+            own[:, 0] + REQUEST_PRIOR_WEIGHT)
         # A request's own rate, shrunk towards the engine's, shifts every position's log-odds
         # by its own log-odds against the engine's: easy requests approach 1 at every position.
         shift = _logit(own_rate) - _logit(overall)
