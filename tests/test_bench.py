@@ -10,7 +10,7 @@ import pytest
 from tests.engines import MAX_MODEL_LEN, make_pair
 from vllm_dflash.bench.counters import SpecCounters, acceptance, from_prometheus
 from vllm_dflash.bench.prompts import requests_for
-from vllm_dflash.bench.report import compare_to_baseline
+from vllm_dflash.bench.report import compare_to_baseline, median_of_repeats
 from vllm_dflash.cli import main
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by every engine process
@@ -118,3 +118,19 @@ def test_failed_runs_and_missing_baseline_are_reported():
     assert rows[1]["speedup_vs_none"] is None and rows[1]["error"] == "exit code 1"
     assert rows[2]["greedy_equals_none"] is None
     assert all("token_ids" not in row for row in rows)
+
+
+def test_repeats_keep_the_median_run():
+    def run(method, tokens_per_s, repeat, **extra):
+        return {"method": method, "concurrency": 4, "repeat": repeat,
+                "output_tokens_per_s": tokens_per_s, "token_ids": [[repeat]], **extra}
+
+    rows = median_of_repeats([
+        run("none", 30.0, 0), run("vllm-dflash", 90.0, 0),
+        run("none", 10.0, 1), run("vllm-dflash", 70.0, 1),
+        run("none", 20.0, 2), run("vllm-dflash", 50.0, 2, error="exit code 1"),
+    ])
+    assert [(r["method"], r.get("repeat")) for r in rows] == [("none", 2), ("vllm-dflash", 2)]
+    assert rows[0]["output_tokens_per_s"] == 20.0
+    assert rows[0]["tokens_per_s_repeats"] == [10.0, 20.0, 30.0]
+    assert rows[1]["error"] == "exit code 1"  # a failed repeat is not hidden by the others

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from vllm_dflash.bench.methods import check_methods, default_num_speculative_tokens
 from vllm_dflash.bench.prompts import load_prompts, requests_for
-from vllm_dflash.bench.report import compare_to_baseline, write_report
+from vllm_dflash.bench.report import compare_to_baseline, median_of_repeats, write_report
 from vllm_dflash.bench.run import run_in_subprocess
 from vllm_dflash.bench.runspec import RunSpec
 from vllm_dflash.train.progress import progress_bar
@@ -54,6 +54,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="default: on for CPU, off on GPU")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of every (method, concurrency), interleaved; the report keeps "
+                   "each one's median run by tokens/s (default: 1)")
     p.add_argument("--out", default="bench_out", help="output dir (default: bench_out)")
     p.set_defaults(func=run)
 
@@ -72,26 +75,29 @@ def run(args: argparse.Namespace) -> None:
         "max_model_len": args.max_model_len,
     }
     out = Path(args.out)
-    results = run_all(base, prompts, args.concurrency, args.methods, out)
+    results = run_all(base, prompts, args.concurrency, args.methods, out, args.repeats)
     meta = base | {"prompts": args.prompts, "num_prompts": len(prompts),
                    "concurrency": args.concurrency, "methods": args.methods, "gpu": gpu,
-                   "cpu_count": os.cpu_count(), "machine": platform.platform()}
-    print(write_report(out, meta, compare_to_baseline(results)))
+                   "repeats": args.repeats, "cpu_count": os.cpu_count(),
+                   "machine": platform.platform()}
+    print(write_report(out, meta, compare_to_baseline(median_of_repeats(results))))
     print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
 
 
 def run_all(base: dict, prompts: list[str], concurrencies: list[int], methods: list[str],
-            out: Path) -> list[dict]:
-    """Concurrency-major, method-minor: methods alternate, so load drift hits them all."""
-    bar = progress_bar(total=len(concurrencies) * len(methods), desc="bench")
+            out: Path, repeats: int = 1) -> list[dict]:
+    """Concurrency-major, then repeat, then method: methods alternate, so load drift hits
+    them all."""
+    bar = progress_bar(total=len(concurrencies) * repeats * len(methods), desc="bench")
     results = []
     for concurrency in concurrencies:
-        for method in methods:
-            bar.set_postfix_str(f"{method} C={concurrency}")
-            spec = RunSpec(method=method, concurrency=concurrency,
-                           prompts=requests_for(prompts, concurrency), **base)
-            results.append(run_in_subprocess(spec, out))
-            bar.update()
+        for repeat in range(repeats):
+            for method in methods:
+                bar.set_postfix_str(f"{method} C={concurrency} #{repeat + 1}")
+                spec = RunSpec(method=method, concurrency=concurrency,
+                               prompts=requests_for(prompts, concurrency), **base)
+                results.append(run_in_subprocess(spec, out, repeat))
+                bar.update()
     bar.close()
     return results
 

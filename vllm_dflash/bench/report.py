@@ -8,6 +8,25 @@ from vllm_dflash.bench.counters import SpecCounters, acceptance
 from vllm_dflash.bench.methods import BASELINE, color
 
 
+def median_of_repeats(results: list[dict]) -> list[dict]:
+    """One row per (method, concurrency): its median run by tokens/s (the lower middle one of
+    an even count), with every run's tokens/s in tokens_per_s_repeats; a failed repeat makes
+    the row that failure."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for result in results:
+        groups.setdefault((result["method"], result["concurrency"]), []).append(result)
+    rows = []
+    for runs in groups.values():
+        failed = [r for r in runs if not ok(r)]
+        if failed:
+            rows.append(failed[0])
+            continue
+        runs = sorted(runs, key=lambda r: r["output_tokens_per_s"])
+        rows.append(runs[(len(runs) - 1) // 2] | {
+            "tokens_per_s_repeats": [r["output_tokens_per_s"] for r in runs]})
+    return rows
+
+
 def compare_to_baseline(results: list[dict]) -> list[dict]:
     """Adds speedup_vs_none and greedy_equals_none (None without a baseline run at that
     concurrency) and drops the token ids."""

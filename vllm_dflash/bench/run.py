@@ -20,9 +20,9 @@ from vllm_dflash.bench.runspec import RunSpec
 PRELOAD = ["vllm", "vllm.entrypoints.llm"]
 
 
-def run_in_subprocess(spec: RunSpec, out_dir: Path) -> dict:
+def run_in_subprocess(spec: RunSpec, out_dir: Path, repeat: int = 0) -> dict:
     """Run spec in a fresh process; a failed run returns its error instead of numbers."""
-    name = f"{spec.mode}-{spec.method}-c{spec.concurrency}"
+    name = f"{spec.mode}-{spec.method}-c{spec.concurrency}" + (f"-r{repeat}" if repeat else "")
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     result_path, log_path = out_dir / "runs" / f"{name}.json", out_dir / "logs" / f"{name}.log"
@@ -36,7 +36,8 @@ def run_in_subprocess(spec: RunSpec, out_dir: Path) -> dict:
     process = context.Process(target=child, args=(asdict(spec), env, log_path, result_path))
     process.start()
     process.join()
-    header = {"method": spec.method, "concurrency": spec.concurrency, "log": str(log_path)}
+    header = {"method": spec.method, "concurrency": spec.concurrency, "repeat": repeat,
+              "log": str(log_path)}
     if process.exitcode != 0:
         return header | {"error": f"exit code {process.exitcode}, see {log_path}"}
     return header | json.loads(result_path.read_text())
