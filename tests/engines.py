@@ -1,5 +1,6 @@
 """Shared helpers for tests that run real vLLM engines on the CPU build."""
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_DFLASH_DRAFT_LENGTH", "fixed")
 
 MAX_MODEL_LEN = 512
+
+
+class LogLines(logging.Handler):
+    """Collects log messages; attach it after `import vllm.logger`, whose set-up resets the
+    handlers of vLLM's child loggers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 @dataclass

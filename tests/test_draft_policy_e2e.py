@@ -9,21 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines import Pair, dflash_llm, generate_ids, plain_llm, spec_metrics
+from tests.engines import LogLines, Pair, dflash_llm, generate_ids, plain_llm, spec_metrics
 
 PAIR_DIR = Path(__file__).parent / "fixtures" / "pair"
 MAX_NEW_TOKENS = 48
 LONG_NEW_TOKENS = 120
 K = 7
-
-
-class LogLines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import logging
 import pytest
 
 from tests.engines import (
+    LogLines,
     dflash_llm,
     generate_ids,
     make_pair,
@@ -30,15 +31,6 @@ def pair(tmp_path_factory):
 @pytest.fixture(scope="module")
 def prompts(pair):
     return prompts_of_lengths(pair.target, PROMPT_LENGTHS)
-
-
-class LogLines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 @pytest.fixture(scope="module")
