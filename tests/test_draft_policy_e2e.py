@@ -126,10 +126,12 @@ def test_useless_drafter_is_switched_off_losslessly(baseline, useless_run):
     got, m = useless_run
     assert got["alone"] == baseline["alone"]
     assert got["batch"] == baseline["batch"]
-    # A fixed K would verify 7 draft tokens per step, about 7 per output token here; the
-    # policy stops drafting once it measures that nothing is accepted.
+    # A fixed K verifies K draft tokens per step, K per output token when nothing is accepted.
+    # The policy stops once its measured acceptance makes drafts not worth their cost (on a
+    # CPU at concurrency 1 drafts are nearly free, so that takes some 100 drafts), then only
+    # explores: a small fraction of fixed K's draft tokens.
     output_tokens = 2 * 16 * MAX_NEW_TOKENS
-    assert m["draft_tokens"] < 0.5 * output_tokens, m
+    assert m["draft_tokens"] < 0.2 * K * output_tokens, m
 
 
 def test_preemption_and_chunked_prefill_with_adaptive_lengths(adaptive, baseline, prompts):
