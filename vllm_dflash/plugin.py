@@ -27,24 +27,23 @@ class DFlashSetupError(RuntimeError):
     """vLLM or the environment cannot run vllm-dflash; the message says how to fix it."""
 
 
-def selected_implementation() -> str:
-    impl = os.environ.get(IMPL_ENV, "vllm-dflash").strip() or "vllm-dflash"
-    if impl not in IMPLEMENTATIONS:
+def _env_choice(name: str, choices: tuple[str, ...], what: str) -> str:
+    """The value of env var `name`, one of `choices`; unset or empty means the first."""
+    value = os.environ.get(name, "").strip() or choices[0]
+    if value not in choices:
         raise DFlashSetupError(
-            f"{IMPL_ENV}={impl!r} is not a known DFlash implementation; "
-            f"valid values: {', '.join(IMPLEMENTATIONS)} (unset means vllm-dflash)."
+            f"{name}={value!r} is not {what}; valid values: {', '.join(choices)} "
+            f"(unset means {choices[0]})."
         )
-    return impl
+    return value
+
+
+def selected_implementation() -> str:
+    return _env_choice(IMPL_ENV, IMPLEMENTATIONS, "a known DFlash implementation")
 
 
 def draft_length_mode() -> str:
-    mode = os.environ.get(DRAFT_LENGTH_ENV, "adaptive").strip() or "adaptive"
-    if mode not in DRAFT_LENGTHS:
-        raise DFlashSetupError(
-            f"{DRAFT_LENGTH_ENV}={mode!r} is not a draft-length mode; valid values: "
-            f"{', '.join(DRAFT_LENGTHS)} (unset means adaptive)."
-        )
-    return mode
+    return _env_choice(DRAFT_LENGTH_ENV, DRAFT_LENGTHS, "a draft-length mode")
 
 
 def check_vllm_version(version: str) -> None:
