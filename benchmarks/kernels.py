@@ -1,40 +1,75 @@
-"""Per-step time of every kernel path available here: KV injection and draft attention.
+"""Step-cost benchmark: per-step time of each part of a DFlash decoding step, on every path.
 
-On CUDA: Qwen3-8B drafter shapes (hidden 4096, 5 layers, 32 heads, 8 KV heads, head_dim 128,
-cache block 16, draft block 16, context ~1k), bf16; paths torch reference, Triton and, when
-vllm_dflash._C is built, CUDA. On CPU: smaller shapes, fp32, the torch reference only.
+    kv_injection     the proposer's context injection for --new-tokens tokens per request:
+                     fc + hidden_norm of the target features, then K/V of every draft layer
+                     into the paged caches. Paths: reference, torch, triton, cuda (vllm_dflash._C)
+    draft_attention  the block queries of one draft layer over the paged context and their own
+                     block; per step = layers x per layer. Paths: reference, torch, triton
+    verify_greedy    all-greedy verification as vLLM's rejection sampler runs it: argmax, then
+                     the accept walk. Paths: reference, triton
+    verify_sampled   verify() at temperature > 0: argmax, random draws, rejection walk (the
+                     softmax before it is not counted). Paths: reference, triton
+    drafter_step     one block of --draft-block-size tokens per request: embed -> DFlashDrafter
+                     (random weights, paged draft attention) -> lm_head argmax over --vocab.
+                     Paths: the attention used (torch, triton) and, with --cuda-graph, the triton
+                     step captured in a CUDA graph per batch size, checked token for token
+                     against eager
 
-    python benchmarks/kernels.py                      # defaults for the device found
-    python benchmarks/kernels.py --batches 1,8 --context 4096 --repeats 100
+CUDA: Qwen3-8B / Qwen3-8B-DFlash-b16 shapes in bf16 (hidden 4096, 5 draft layers, 32 heads,
+8 KV heads, head_dim 128, intermediate 12288, features of 5 target layers, vocab 151936,
+context 1024). CPU: small fp32 shapes, the torch paths only; it runs in seconds.
 
-KV injection writes `--new-tokens` tokens per request (the accepted ones plus the bonus) into all
-layers: one call per step. Draft attention runs once per layer: per step = layers x per call.
-Times are medians over --repeats calls, each timed with a device synchronisation.
+    python benchmarks/kernels.py                          # defaults for the device found
+    python benchmarks/kernels.py --batches 1,8,64 --cuda-graph --json step_costs.json
+    OMP_NUM_THREADS=1 python benchmarks/kernels.py        # CPU: steadier on a small, busy VM
+
+Times are medians over --repeats calls, each timed from host to device synchronisation, so
+they include launch overhead: what a step pays. Exits 1 when a CUDA graph's draft tokens differ
+from eager's.
 """
 
 import argparse
+import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+from torch.nn import functional as F
 
+from vllm_dflash.config import DFlashConfig
 from vllm_dflash.kernels import _cuda
-from vllm_dflash.kernels.draft_attention import draft_attention_reference, draft_attention_triton
+from vllm_dflash.kernels.draft_attention import (
+    draft_attention_reference,
+    draft_attention_torch,
+    draft_attention_triton,
+)
 from vllm_dflash.kernels.kv_injection import (
     kv_injection,
     kv_injection_reference,
+    kv_injection_torch,
     kv_injection_triton,
 )
-from vllm_dflash.layers import rope_cos_sin_cache
+from vllm_dflash.kernels.verify import (
+    rejection_walk_reference,
+    rejection_walk_triton,
+    verify_reference,
+    verify_triton,
+)
+from vllm_dflash.model import DFlashDrafter
 
 GPU_SHAPES = {"hidden": 4096, "layers": 5, "heads": 32, "kv_heads": 8, "head_dim": 128,
-              "context": 1024}
-CPU_SHAPES = {"hidden": 1024, "layers": 2, "heads": 8, "kv_heads": 2, "head_dim": 64,
-              "context": 256}
+              "intermediate": 12288, "features": 5, "context": 1024, "vocab": 151936}
+CPU_SHAPES = {"hidden": 512, "layers": 2, "heads": 8, "kv_heads": 2, "head_dim": 64,
+              "intermediate": 1024, "features": 3, "context": 256, "vocab": 8192}
+MASK_TOKEN_ID = 1
+Row = dict[str, object]
 
 
 def median_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> float:
+    """Median wall time of fn() in ms, synchronising the device around every call."""
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -51,9 +86,58 @@ def median_ms(fn: Callable[[], object], device: torch.device, repeats: int, warm
     return statistics.median(times) * 1e3
 
 
-def make_caches(args: argparse.Namespace, batch: int, device: torch.device) -> tuple:
-    """Per-layer paged caches (vLLM-style strided views) and a shuffled block table."""
-    tokens_per_request = args.context + args.draft_block_size
+def report(rows: list[Row], row: Row, note: str = "") -> None:
+    """Print one row and keep it for --json."""
+    rows.append(row)
+    print(f"{row['what']:16s} {row['path']:18s} batch {row['batch']:4d}  "
+          f"tokens {row['tokens']:6d}  {row['ms_per_step']:9.3f} ms/step{note}", flush=True)
+
+
+def drafter_config(args: argparse.Namespace) -> DFlashConfig:
+    """The benchmarked drafter's shape. Only the number of target layer ids matters here."""
+    window = args.sliding_window
+    return DFlashConfig(
+        hidden_size=args.hidden, intermediate_size=args.intermediate, num_layers=args.layers,
+        num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+        rms_norm_eps=1e-6, rope_theta=1e6,
+        max_position_embeddings=args.context + args.draft_block_size + args.new_tokens,
+        vocab_size=args.vocab,
+        layer_types=["full_attention" if window is None else "sliding_attention"] * args.layers,
+        sliding_window=window, block_size=args.draft_block_size, mask_token_id=MASK_TOKEN_ID,
+        target_layer_ids=list(range(args.features)), num_target_layers=args.features + 2,
+        causal=args.causal,
+    )
+
+
+def random_drafter(cfg: DFlashConfig, device: torch.device, dtype: torch.dtype) -> DFlashDrafter:
+    """Normal(0, 0.02) weights and unit norms, drawn on the device: the ~1B parameters of a
+    Qwen3-8B drafter take seconds there, far longer through a host-side init."""
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg).to(dtype)
+    drafter = drafter.to_empty(device=device)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02)
+    return drafter.eval()
+
+
+@dataclass
+class PagedBatch:
+    """One draft block per request over a paged context, as the proposer's DraftBatch."""
+
+    caches: list[torch.Tensor]  # per layer [num_blocks, Hkv, cache_block, 2D] (strided view)
+    block_table: torch.Tensor  # [B, blocks per request] int32, shuffled
+    context_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B+1] int32
+    anchors: torch.Tensor  # [B] int64: static input of the CUDA graph
+
+
+def paged_batch(args: argparse.Namespace, batch: int, device: torch.device) -> PagedBatch:
+    """Random caches in vLLM's strided layout, contexts of args.context tokens each."""
+    tokens_per_request = args.context + max(args.draft_block_size, args.new_tokens)
     blocks_per_request = -(-tokens_per_request // args.cache_block_size)
     num_blocks = batch * blocks_per_request
     caches = [
@@ -62,64 +146,168 @@ def make_caches(args: argparse.Namespace, batch: int, device: torch.device) -> t
         for _ in range(args.layers)
     ]
     block_table = torch.randperm(num_blocks, device=device).view(batch, blocks_per_request)
-    return caches, block_table.int()
-
-
-def bench_kv_injection(args: argparse.Namespace, batch: int, device: torch.device) -> None:
-    caches, block_table = make_caches(args, batch, device)
-    n = args.new_tokens
-    positions = (args.context + torch.arange(n, device=device)).repeat(batch)
-    rows = torch.arange(batch, device=device).repeat_interleave(n)
-    blocks = block_table[rows, positions // args.cache_block_size].long()
-    slot_mapping = blocks * args.cache_block_size + positions % args.cache_block_size
-    weight_rows = args.layers * 2 * args.kv_heads * args.head_dim
-    inputs = (
-        torch.randn(batch * n, args.hidden, dtype=args.dtype, device=device),
-        positions,
-        slot_mapping,
-        torch.randn(weight_rows, args.hidden, dtype=args.dtype, device=device) / args.hidden**0.5,
-        torch.ones(args.layers, args.head_dim, dtype=args.dtype, device=device),
-        1e-6,
-        rope_cos_sin_cache(args.head_dim, args.context + n, 1e6, device=device),
-        caches,
+    b = args.draft_block_size
+    return PagedBatch(
+        caches=caches,
+        block_table=block_table.int(),
+        context_lens=torch.full((batch,), args.context, dtype=torch.int32, device=device),
+        query_start_loc=torch.arange(0, batch * b + 1, b, dtype=torch.int32, device=device),
+        anchors=torch.randint(2, args.vocab, (batch,), device=device),
     )
-    paths = {"torch-reference": kv_injection_reference}
+
+
+def bench_kv_injection(args: argparse.Namespace, drafter: DFlashDrafter, paged: PagedBatch,
+                       rows: list[Row]) -> None:
+    device, batch, n = paged.anchors.device, paged.anchors.shape[0], args.new_tokens
+    positions = (args.context + torch.arange(n, device=device)).repeat(batch)
+    requests = torch.arange(batch, device=device).repeat_interleave(n)
+    blocks = paged.block_table[requests, positions // args.cache_block_size].long()
+    slot_mapping = blocks * args.cache_block_size + positions % args.cache_block_size
+    features = torch.randn(batch * n, args.features * args.hidden, dtype=args.dtype,
+                           device=device)
+    weights = (drafter.kv_weight(), drafter.k_norm_weight(), drafter.cfg.rms_norm_eps,
+               drafter.rope_cache(device), paged.caches)
+    paths = {"reference": kv_injection_reference, "torch": kv_injection_torch}
     if device.type == "cuda":
         paths["triton"] = kv_injection_triton
         if _cuda.available():
             paths["cuda"] = kv_injection  # the dispatcher picks the compiled op
-    for name, fn in paths.items():
-        ms = median_ms(lambda fn=fn: fn(*inputs), device, args.repeats, args.warmup)
-        print(f"kv_injection     {name:16s} batch {batch:4d}  tokens {batch * n:6d}  "
-              f"{ms:9.3f} ms/step")
+
+    for name, inject in paths.items():
+        def step(inject=inject) -> None:
+            inject(drafter.fuse(features), positions, slot_mapping, *weights)
+
+        ms = median_ms(step, device, args.repeats, args.warmup)
+        report(rows, {"what": "kv_injection", "path": name, "batch": batch,
+                      "tokens": batch * n, "ms_per_step": ms})
 
 
-def bench_draft_attention(args: argparse.Namespace, batch: int, device: torch.device) -> None:
-    caches, block_table = make_caches(args, batch, device)
-    b = args.draft_block_size
+def bench_draft_attention(args: argparse.Namespace, paged: PagedBatch, rows: list[Row]) -> None:
+    device, batch, b = paged.anchors.device, paged.anchors.shape[0], args.draft_block_size
     tokens = batch * b
     inputs = (
         torch.randn(tokens, args.heads, args.head_dim, dtype=args.dtype, device=device),
         torch.randn(tokens, args.kv_heads, args.head_dim, dtype=args.dtype, device=device),
         torch.randn(tokens, args.kv_heads, args.head_dim, dtype=args.dtype, device=device),
-        caches[0],
-        block_table,
-        torch.full((batch,), args.context, dtype=torch.int32, device=device),
-        torch.arange(0, tokens + 1, b, dtype=torch.int32, device=device),
-        args.head_dim**-0.5,
-        args.causal,
-        args.sliding_window,
+        paged.caches[0], paged.block_table, paged.context_lens, paged.query_start_loc,
+        args.head_dim**-0.5, args.causal, args.sliding_window,
     )
-    paths = {"torch-reference": draft_attention_reference}
+    paths = {"reference": draft_attention_reference,
+             "torch": lambda *a: draft_attention_torch(*a, max_query_len=b)}
     if device.type == "cuda":
         paths["triton"] = lambda *a: draft_attention_triton(*a, max_query_len=b)
-    for name, fn in paths.items():
-        ms = median_ms(lambda fn=fn: fn(*inputs), device, args.repeats, args.warmup)
-        print(f"draft_attention  {name:16s} batch {batch:4d}  tokens {tokens:6d}  "
-              f"{ms:9.3f} ms/call  {ms * args.layers:9.3f} ms/step ({args.layers} layers)")
+    for name, attention in paths.items():
+        ms = median_ms(lambda fn=attention: fn(*inputs), device, args.repeats, args.warmup)
+        report(rows, {"what": "draft_attention", "path": name, "batch": batch, "tokens": tokens,
+                      "ms_per_layer": ms, "ms_per_step": ms * args.layers},
+               f"  ({ms:.3f} ms/layer x {args.layers} layers)")
 
 
-def main() -> None:
+def bench_verify(args: argparse.Namespace, batch: int, device: torch.device,
+                 rows: list[Row]) -> None:
+    """Every request verifies draft-block-size - 1 drafts; each accepts a random prefix."""
+    k = args.draft_block_size - 1
+    logits = torch.randn(batch * k, args.vocab, device=device)
+    probs = logits.softmax(dim=-1)
+    argmax = logits.argmax(dim=-1)
+    accepted = torch.randint(0, k + 1, (batch, 1), device=device)
+    wrong = torch.arange(k, device=device) >= accepted
+    drafts = torch.where(wrong.flatten(), (argmax + 1) % args.vocab, argmax)
+    cu_num_draft_tokens = torch.arange(k, batch * k + 1, k, dtype=torch.int32, device=device)
+    bonus = torch.randint(args.vocab, (batch,), device=device)
+    greedy = torch.ones(batch, dtype=torch.bool, device=device)
+    paths = {"reference": (rejection_walk_reference, verify_reference)}
+    if device.type == "cuda":
+        paths["triton"] = (rejection_walk_triton, verify_triton)
+    for name, (walk, verify) in paths.items():
+        def greedy_step(walk=walk) -> None:
+            walk(drafts, cu_num_draft_tokens, k, None, logits, bonus, greedy,
+                 logits.argmax(dim=-1), None)
+
+        def sampled_step(verify=verify) -> None:
+            verify(drafts, cu_num_draft_tokens, k, None, probs, bonus, ~greedy, {})
+
+        for what, step in (("verify_greedy", greedy_step), ("verify_sampled", sampled_step)):
+            ms = median_ms(step, device, args.repeats, args.warmup)
+            report(rows, {"what": what, "path": name, "batch": batch, "tokens": batch * k,
+                          "ms_per_step": ms})
+
+
+def draft_step(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head: torch.Tensor,
+               paged: PagedBatch, attention: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """[B] anchors -> [B, block-1] greedy draft tokens, the steps of DFlashProposer.draft."""
+    cfg = drafter.cfg
+    num_reqs = paged.anchors.shape[0]
+    block_ids = torch.full((num_reqs, cfg.block_size), cfg.mask_token_id,
+                           device=paged.anchors.device)
+    block_ids[:, 0] = paged.anchors
+    offsets = torch.arange(cfg.block_size, device=block_ids.device)
+    positions = (paged.context_lens[:, None] + offsets).flatten()
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention(q, k, v, paged.caches[layer], paged.block_table, paged.context_lens,
+                         paged.query_start_loc, drafter.scale, cfg.layer_is_causal(layer),
+                         cfg.layer_window(layer), max_query_len=cfg.block_size)
+
+    hidden = drafter(F.embedding(block_ids.flatten(), embed_weight), positions, attend)
+    hidden = hidden.view(num_reqs, cfg.block_size, -1)[:, 1:].flatten(0, 1)
+    return F.linear(hidden, lm_head).max(dim=-1).indices.view(num_reqs, -1)
+
+
+def capture(step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A CUDA graph of step() and its static output tensor."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # lazy initialisations (cuBLAS, Triton) happen before capture
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
+def bench_drafter_step(args: argparse.Namespace, drafter: DFlashDrafter,
+                       weights: tuple[torch.Tensor, torch.Tensor], paged: PagedBatch,
+                       rows: list[Row]) -> bool:
+    """Eager steps per attention path, then the CUDA graph; False when its tokens differ."""
+    device, batch = paged.anchors.device, paged.anchors.shape[0]
+    tokens = batch * args.draft_block_size
+    paths = {"torch": draft_attention_torch}
+    if device.type == "cuda":
+        paths["triton"] = draft_attention_triton
+    eager_ms = {}
+    for name, attention in paths.items():
+        def step(attention=attention) -> torch.Tensor:
+            return draft_step(drafter, *weights, paged, attention)
+
+        eager_ms[name] = median_ms(step, device, args.repeats, args.warmup)
+        report(rows, {"what": "drafter_step", "path": name, "batch": batch, "tokens": tokens,
+                      "ms_per_step": eager_ms[name]})
+    if not args.cuda_graph:
+        return True
+
+    def triton_step() -> torch.Tensor:
+        return draft_step(drafter, *weights, paged, draft_attention_triton)
+
+    graph, graph_tokens = capture(triton_step)
+    # Two sets of anchors written into the static input: the replay must follow the buffer.
+    equal = True
+    for anchors in (paged.anchors.clone(), torch.randint_like(paged.anchors, 2, args.vocab)):
+        paged.anchors.copy_(anchors)
+        graph.replay()
+        equal &= torch.equal(graph_tokens, triton_step())
+    ms = median_ms(graph.replay, device, args.repeats, args.warmup)
+    note = (f"  (eager {eager_ms['triton']:.3f} ms, {eager_ms['triton'] / ms:.2f}x; "
+            f"draft tokens equal eager: {'yes' if equal else 'NO'})")
+    report(rows, {"what": "drafter_step", "path": "triton+cuda-graph", "batch": batch,
+                  "tokens": tokens, "ms_per_step": ms, "eager_ms_per_step": eager_ms["triton"],
+                  "tokens_equal_eager": equal}, note)
+    return equal
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
@@ -134,29 +322,64 @@ def main() -> None:
                         help="tokens injected per request and step (accepted + bonus)")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--sliding-window", type=int, default=None)
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="also replay the drafter step from a CUDA graph (CUDA only)")
     parser.add_argument("--repeats", type=int, default=None, help="default 50 CUDA, 5 CPU")
     parser.add_argument("--warmup", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
 
-    device = torch.device(args.device)
-    on_gpu = device.type == "cuda"
+    args.device = torch.device(args.device)
+    on_gpu = args.device.type == "cuda"
+    if on_gpu and args.device.index is None:
+        # With an index, as the proposer's: the drafter's RoPE table is cached per device and
+        # rebuilt on every call when "cuda" and "cuda:0" compare unequal.
+        args.device = torch.device("cuda", torch.cuda.current_device())
+    if args.cuda_graph and not on_gpu:
+        parser.error("--cuda-graph needs a CUDA device")
     for name, value in (GPU_SHAPES if on_gpu else CPU_SHAPES).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if on_gpu else "float32"))
     args.repeats = args.repeats or (50 if on_gpu else 5)
-    torch.manual_seed(0)
+    return args
 
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = args.device
+    torch.manual_seed(0)
+    config = {key: str(value) if isinstance(value, torch.device | torch.dtype) else value
+              for key, value in vars(args).items()}
     print(f"device {device}, {args.dtype}, hidden {args.hidden}, {args.layers} layers, "
-          f"{args.heads}/{args.kv_heads} heads, head_dim {args.head_dim}, "
+          f"{args.heads}/{args.kv_heads} heads, head_dim {args.head_dim}, intermediate "
+          f"{args.intermediate}, {args.features} target features, vocab {args.vocab}, "
           f"context {args.context}, draft block {args.draft_block_size}, "
-          f"cache block {args.cache_block_size}")
-    if on_gpu and not _cuda.available():
+          f"cache block {args.cache_block_size}"
+          + ("" if device.type == "cuda" else f", {torch.get_num_threads()} threads"))
+    if device.type == "cuda" and not _cuda.available():
         print(f"CUDA extension not available ({_cuda.import_error}): no cuda path")
+    drafter = random_drafter(drafter_config(args), device, args.dtype)
+    # The target's embedding and lm_head, which the drafter shares.
+    weights = tuple(0.02 * torch.randn(args.vocab, args.hidden, dtype=args.dtype, device=device)
+                    for _ in range(2))
+    rows: list[Row] = []
+    graphs_equal = True
     for batch in map(int, args.batches.split(",")):
-        bench_kv_injection(args, batch, device)
-        bench_draft_attention(args, batch, device)
+        paged = paged_batch(args, batch, device)
+        bench_kv_injection(args, drafter, paged, rows)
+        bench_draft_attention(args, paged, rows)
+        bench_verify(args, batch, device, rows)
+        graphs_equal &= bench_drafter_step(args, drafter, weights, paged, rows)
+        del paged  # the caches of the next batch size take its place
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": config, "rows": rows}, f, indent=2)
+    if not graphs_equal:
+        print("FAIL: a CUDA graph's draft tokens differ from eager's")
+    return 0 if graphs_equal else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
