@@ -65,14 +65,26 @@ def test_acceptance_model_measures_conditional_rates():
     assert np.all(np.diff(expected, axis=1) >= 0)  # more drafts never expect fewer tokens
 
 
-def test_cost_model_fits_overhead_and_scale():
+def test_cost_model_fits_host_overhead_per_step_and_request():
     model = StepCostModel(profile(0.002, 0.0001))
     rng = np.random.default_rng(0)
-    for tokens in rng.integers(1, 600, size=500):
-        profiled = float(model.profiled(np.array(tokens), 8, np.array(False)))
-        model.observe(int(tokens), 8, False, 0.003 + 1.5 * profiled)
-    assert model.overhead == pytest.approx(0.003, rel=0.05)
-    assert model.scale == pytest.approx(1.5, rel=0.05)
+    for n in rng.integers(1, 64, size=500):
+        tokens = int(n) * int(rng.integers(1, 9))
+        profiled = float(model.profiled(np.array(tokens), int(n), np.array(True)))
+        model.observe(tokens, int(n), True, profiled + 0.003 + 0.0005 * n)
+    for n in (2, 16, 60):
+        profiled = float(model.profiled(np.array(4 * n), n, np.array(True)))
+        predicted = float(model.predict(np.array(4 * n), n, np.array(True)))
+        assert predicted == pytest.approx(profiled + 0.003 + 0.0005 * n, rel=0.1)
+
+
+def test_cost_model_puts_a_constant_batch_residual_in_overhead():
+    model = StepCostModel(profile(0.002, 0.0001))
+    for _ in range(300):
+        profiled = float(model.profiled(np.array(32), 4, np.array(True)))
+        model.observe(32, 4, True, profiled + 0.006)
+    assert model.per_request == pytest.approx(0.0, abs=1e-6)
+    assert model.predict(np.array(32), 4, np.array(True)) == pytest.approx(profiled + 0.006)
 
 
 def test_no_drafting_when_verifying_costs_more_than_it_saves():

@@ -8,10 +8,11 @@ query tokens through the target and emits n + sum(E_r(k_r)) tokens in expectatio
 and a_{r,i} is the probability that request r's draft position i is accepted given that
 positions 1..i-1 were (DFlash's per-position acceptance, measured online). The step costs
 
-    time(T, n) = overhead + scale * (target(T) + [drafter runs] * drafter(n))
+    time(T, n) = target(T) + [drafter runs] * drafter(n) + overhead + per_request * n
 
-with target(T) and drafter(n) profiled on the running engine at start-up and overhead/scale
-fitted online to the measured step times. The policy maximises tokens per second of the batch,
+with target(T) and drafter(n) profiled on the running engine at start-up, and the host's work
+that those forward passes do not include (scheduling, sampling, bookkeeping: a fixed part and
+a part per request) fitted online to the measured step times. The policy maximises tokens per second of the batch,
 choosing each k_r from a small fixed set (0, 1, 3, 7, ..., K) so that the shapes the target and
 drafter see stay few. k_r = 0 is plain decoding; when every k_r is 0 the drafter is skipped.
 
@@ -45,6 +46,10 @@ SWITCH_MARGIN = 0.03
 # drafts short) sees when drafting deeper would pay again. Costs one drafter run and K extra
 # tokens per interval.
 EXPLORE_INTERVAL = 16
+# A batch whose requests have not changed keeps its lengths for this many steps: the statistics
+# behind them move by ~1% in that time, while choosing costs ~0.1-0.3 ms of host time, a few
+# percent of a small step.
+REPLAN_INTERVAL = 4
 REPORT_INTERVAL_S = 5.0
 
 
@@ -70,23 +75,23 @@ class StepProfile:
 
 def _interp(x: np.ndarray, xs: list[int], ys: list[float]) -> np.ndarray:
     """Piecewise-linear through (xs, ys), continued with the last segment's slope."""
-    y = np.interp(x, xs, ys)
-    if len(xs) > 1:
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-        beyond = x > xs[-1]
-        y = np.where(beyond, ys[-1] + slope * (x - xs[-1]), y)
-    return y
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+    return np.interp(x, xs, ys) + slope * np.maximum(np.subtract(x, xs[-1]), 0)
 
 
 class StepCostModel:
-    """time = overhead + scale * profiled(T, n, drafted), fitted by exponentially weighted least
-    squares on measured steps, with a ridge pulling scale towards 1 when the measured steps are
-    too alike to tell scale from overhead."""
+    """time = profiled(T, n, drafted) + overhead + per_request * n.
+
+    The profile is trusted for how a step's cost grows with its query tokens: that is what
+    the start-up runs measure well. What they leave out is fitted by exponentially weighted
+    least squares of (measured - profiled) on n, with a ridge on per_request so that a run
+    whose batch size hardly varies puts its residual in overhead.
+    """
 
     def __init__(self, profile: StepProfile) -> None:
         self.profile = profile
-        self.stats = np.zeros(5)  # weighted sums of 1, x, y, x*x, x*y
-        self.overhead, self.scale = 0.0, 1.0
+        self.stats = [0.0] * 5  # weighted sums of 1, n, r, n*n, n*r (r: the residual)
+        self.overhead, self.per_request = 0.0, 0.0
 
     def profiled(self, tokens: np.ndarray, batch_size: int, drafted: np.ndarray) -> np.ndarray:
         p = self.profile
@@ -95,19 +100,21 @@ class StepCostModel:
         return target + np.where(drafted, drafter, 0.0)
 
     def predict(self, tokens: np.ndarray, batch_size: int, drafted: np.ndarray) -> np.ndarray:
-        return self.overhead + self.scale * self.profiled(tokens, batch_size, drafted)
+        host = self.overhead + self.per_request * batch_size
+        return host + self.profiled(tokens, batch_size, drafted)
 
     def observe(self, tokens: int, batch_size: int, drafted: bool, seconds: float) -> None:
         x = float(self.profiled(np.array(tokens), batch_size, np.array(drafted)))
+        host = self.overhead + self.per_request * batch_size
         # A pause (GC, another process) must not swing the fit: clip to 4x the prediction.
-        y = min(seconds, 4.0 * (self.overhead + self.scale * x))
-        self.stats = COST_DECAY * self.stats + np.array([1.0, x, y, x * x, x * y])
-        w, sx, sy, sxx, sxy = self.stats
-        mean_x, mean_y = sx / w, sy / w
-        var_x, cov = sxx / w - mean_x**2, sxy / w - mean_x * mean_y
-        ridge = (0.05 * mean_x) ** 2
-        self.scale = float(np.clip((cov + ridge) / (var_x + ridge), 0.25, 4.0))
-        self.overhead = max(mean_y - self.scale * mean_x, 0.0)
+        r = min(seconds, 4.0 * (x + host)) - x
+        n = float(batch_size)
+        self.stats = [COST_DECAY * a + b for a, b in zip(self.stats, (1.0, n, r, n * n, n * r))]
+        w, sn, sr, snn, snr = self.stats
+        mean_n, mean_r = sn / w, sr / w
+        var_n, cov = snn / w - mean_n**2, snr / w - mean_n * mean_r
+        self.per_request = max(cov / (var_n + (0.1 * mean_n) ** 2 + 1e-12), 0.0)
+        self.overhead = max(mean_r - self.per_request * mean_n, 0.0)
 
 
 class AcceptanceModel:
@@ -120,16 +127,20 @@ class AcceptanceModel:
 
     def observe(self, drafts: list[tuple[str, int, int]]) -> None:
         """drafts: (request id, draft tokens verified, draft tokens accepted) of one step."""
+        if not drafts:
+            return
         decay = GLOBAL_DECAY ** len(drafts)
-        self.reached *= decay
-        self.accepted *= decay
-        for req_id, num_draft, num_accepted in drafts:
-            reached = min(num_accepted + 1, num_draft)
-            self.reached[:reached] += 1
-            self.accepted[:num_accepted] += 1
+        num_draft = np.array([d[1] for d in drafts])
+        num_accepted = np.array([d[2] for d in drafts])
+        reached = np.minimum(num_accepted + 1, num_draft)
+        # Position i (0-based) was reached by the drafts with reached > i: counts from the
+        # histogram's tail sums.
+        self.reached = decay * self.reached + _count_above(reached, len(self.reached))
+        self.accepted = decay * self.accepted + _count_above(num_accepted, len(self.accepted))
+        for (req_id, _, accepted), r in zip(drafts, reached.tolist()):
             old_reached, old_accepted = self.requests.get(req_id, (0.0, 0.0))
-            self.requests[req_id] = (REQUEST_DECAY * old_reached + reached,
-                                     REQUEST_DECAY * old_accepted + num_accepted)
+            self.requests[req_id] = (REQUEST_DECAY * old_reached + r,
+                                     REQUEST_DECAY * old_accepted + accepted)
 
     def rates(self) -> np.ndarray:
         """[max_draft] conditional acceptance per position, shrunk towards the prior."""
@@ -152,6 +163,12 @@ class AcceptanceModel:
     def forget_except(self, req_ids: list[str]) -> None:
         keep = set(req_ids)
         self.requests = {r: v for r, v in self.requests.items() if r in keep}
+
+
+def _count_above(values: np.ndarray, size: int) -> np.ndarray:
+    """[size]: how many of values exceed 0, 1, ..., size - 1."""
+    tail = np.bincount(values, minlength=size + 1)[::-1].cumsum()[::-1]
+    return tail[1 : size + 1]
 
 
 def _logit(p: np.ndarray | float) -> np.ndarray:
@@ -178,6 +195,7 @@ class DraftPolicy:
         self.cost = StepCostModel(profile)
         self.drafting = True
         self.steps = 0
+        self.chosen: tuple[tuple[str, ...], np.ndarray, int] | None = None  # ids, lengths, step
         self.last_step_end: float | None = None  # None: idle, the next step starts at plan()
         self.step_start = 0.0
         self.report = _Report(self.levels)
@@ -191,9 +209,14 @@ class DraftPolicy:
             return Plan([], max_draft if self.drafting else 0)
         if len(self.acceptance.requests) > 2 * len(req_ids) + 64:
             self.acceptance.forget_except(req_ids)
-        lengths = self.choose(req_ids)
-        num_draft = int(lengths.max())
         self.steps += 1
+        batch = tuple(req_ids)
+        if self.chosen and self.chosen[0] == batch and self.steps - self.chosen[2] < REPLAN_INTERVAL:
+            lengths = self.chosen[1].copy()
+        else:
+            lengths = self.choose(req_ids)
+            self.chosen = (batch, lengths.copy(), self.steps)
+        num_draft = int(lengths.max())
         if num_draft < max_draft:
             phase = self.steps % EXPLORE_INTERVAL
             if phase == EXPLORE_INTERVAL - 1:
@@ -277,6 +300,7 @@ class _Report:
         line = (f"mean draft length {mean:.2f} per request-step ({shares}), drafter on in "
                 f"{self.drafting_steps / self.steps:.0%} of {self.steps} steps; "
                 f"acceptance per position {rates}; step cost "
-                f"{policy.cost.overhead * 1e3:.1f} ms + {policy.cost.scale:.2f} x profile")
+                f"profile + {policy.cost.overhead * 1e3:.1f} ms + "
+                f"{policy.cost.per_request * 1e3:.2f} ms per request")
         self.reset()
         return line
