@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_dflash.kernels.argmax import argmax_rows
 from vllm_dflash.kernels.draft_attention import (
     draft_attention,
     draft_attention_reference,
@@ -461,3 +462,14 @@ def test_cuda_sources_compile(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     run_interpreted_checks(sys.argv[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_argmax_rows_equals_torch_argmax_ties_and_nan_included(dtype):
+    logits = torch.randn(37, 1000).to(dtype)
+    logits[3, [5, 700]] = 50.0  # a tie: the first maximum wins
+    logits[4, 9] = float("nan")  # a NaN counts as the maximum
+    logits[5] = float("-inf")
+    strided = torch.randn(1000, 37).to(dtype).t()  # a transposed view, as vLLM may pass
+    for x in (logits, strided, logits.view(37, 10, 100)):
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1))

@@ -12,6 +12,7 @@ import torch
 
 from vllm_dflash.kernels.verify import (
     draw_randoms,
+    greedy_walk_torch,
     rejection_walk_reference,
     rejection_walk_triton,
     sampling_probs,
@@ -308,6 +309,28 @@ def test_vllm_adapter_all_greedy_is_cheap(monkeypatch: pytest.MonkeyPatch) -> No
     assert torch.equal(torch.get_rng_state(), rng_state), "all-greedy verification drew randoms"
     monkeypatch.undo()
     assert torch.equal(out, verify(**case, generators={}))
+
+
+@pytest.mark.parametrize("uniform", [False, True], ids=["ragged", "uniform"])
+def test_greedy_walk_torch_matches_reference(uniform: bool) -> None:
+    for seed in range(8):
+        case = _ragged_case(seed)
+        if uniform:  # every request drafts max_spec_len tokens
+            batch, k = len(case["bonus_token_ids"]), case["max_spec_len"]
+            probs = case["target_probs"][:1].expand(batch * k, -1) + 1e-3 * torch.rand(batch * k, 1)
+            drafts = probs.argmax(dim=-1)
+            drafts[torch.rand(batch * k, generator=torch.Generator().manual_seed(seed)) < 0.2] = 7
+            case = {**case, "draft_token_ids": drafts, "target_probs": probs,
+                    "cu_num_draft_tokens": _cu([k] * batch)}
+        counts = torch.diff(case["cu_num_draft_tokens"], prepend=torch.zeros(1)).long().tolist()
+        argmax = case["target_probs"].argmax(dim=-1)
+        expected = rejection_walk_reference(
+            case["draft_token_ids"], case["cu_num_draft_tokens"], case["max_spec_len"], None,
+            case["target_probs"], case["bonus_token_ids"], torch.ones(len(counts), dtype=torch.bool),
+            argmax, None)
+        out = greedy_walk_torch(case["draft_token_ids"], counts, case["max_spec_len"], argmax,
+                                case["bonus_token_ids"])
+        assert torch.equal(out, expected), (seed, counts)
 
 
 def test_vllm_adapter_rejects_synthetic_mode() -> None:

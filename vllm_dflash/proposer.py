@@ -38,6 +38,7 @@ from vllm_dflash import checkpoint, plugin
 from vllm_dflash.checkpoint import load_drafter
 from vllm_dflash.config import DFlashConfig, DFlashConfigError, validate_against_target
 from vllm_dflash.draft_policy import StepProfile
+from vllm_dflash.kernels.argmax import argmax_rows
 from vllm_dflash.kernels.draft_attention import draft_attention
 from vllm_dflash.kernels.kv_injection import kv_injection
 from vllm_dflash.model import Attend, DFlashDrafter
@@ -324,10 +325,9 @@ class DFlashProposer(SpecDecodeBaseProposer):
         hidden = self.drafter(embeds.to(self.dtype), positions, self.paged_attend(batch))
         hidden = hidden.view(num_reqs, self.block_len, -1)[:, 1:].flatten(0, 1)
         # Greedy drafts: output_multiplier and softcapping are monotonic, so the argmax of the
-        # target's logits is the drafter's argmax. max() gives argmax's index (the first
-        # maximum) and its CPU kernel is ~20% faster over the vocabulary.
+        # target's logits is the drafter's argmax.
         logits = self.target.compute_logits(hidden)
-        return logits.max(dim=-1).indices.view(num_reqs, self.num_speculative_tokens)
+        return argmax_rows(logits).view(num_reqs, self.num_speculative_tokens)
 
     def paged_attend(self, batch: DraftBatch) -> Attend:
         cfg = self.dflash_config

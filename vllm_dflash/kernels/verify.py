@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_dflash.kernels.argmax import argmax_rows
+
 
 class Randoms(NamedTuple):
     uniform: torch.Tensor  # [T] float64, one per draft row
@@ -134,6 +136,38 @@ def rejection_walk_reference(
     next_token[rejected] = correction
     out.scatter_(1, num_accepted[:, None], next_token[:, None].int())
     return out
+
+
+def greedy_walk_torch(
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: list[int],
+    max_spec_len: int,
+    target_argmax: torch.Tensor,
+    bonus_token_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The walk of an all-greedy batch in a few batched torch ops: the CPU fallback.
+
+    Accepted drafts equal the target's argmax, so a request's output is its argmax row up to
+    and including the first mismatch (the correction), then the bonus if every draft matched.
+    num_draft_tokens is on the host (vLLM has it there), so the padding costs no device sync.
+    """
+    batch_size, device = len(num_draft_tokens), target_argmax.device
+    counts = torch.tensor(num_draft_tokens, device=device)
+    if len(set(num_draft_tokens)) == 1:  # uniform lengths: a view, no padding
+        argmax = target_argmax.view(batch_size, max_spec_len)
+        drafts = draft_token_ids.view(batch_size, max_spec_len)
+    else:
+        rows = torch.arange(batch_size, device=device).repeat_interleave(counts)
+        cols = torch.arange(len(rows), device=device) - (counts.cumsum(0) - counts)[rows]
+        argmax = target_argmax.new_full((batch_size, max_spec_len), -1)
+        drafts = draft_token_ids.new_full((batch_size, max_spec_len), -2)  # never matches
+        argmax[rows, cols] = target_argmax
+        drafts[rows, cols] = draft_token_ids
+    num_accepted = (drafts == argmax).cumprod(dim=1).sum(dim=1, keepdim=True)
+    out = torch.cat([argmax, argmax.new_full((batch_size, 1), -1)], dim=1)
+    out.scatter_(1, counts[:, None], bonus_token_ids.view(-1, 1).to(out.dtype))
+    columns = torch.arange(max_spec_len + 1, device=device)
+    return out.masked_fill_(columns > num_accepted, -1).int()
 
 
 def _recover_reference(
@@ -319,7 +353,7 @@ def _verify(
     target_argmax: torch.Tensor | None,
 ) -> torch.Tensor:
     if target_argmax is None:
-        target_argmax = target_probs.argmax(dim=-1)
+        target_argmax = argmax_rows(target_probs)
     ends = cu_num_draft_tokens.long()
     # Host copy of the draft counts (a device sync on CUDA; the vLLM adapter has them already).
     num_draft_tokens = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
@@ -438,8 +472,11 @@ def vllm_rejection_sample(
             "(speculative_config.rejection_sample_method='synthetic'); use the default method."
         )
     walk = _walk_for(target_logits.device)
-    target_argmax = target_logits.argmax(dim=-1)
+    target_argmax = argmax_rows(target_logits)
     bonus = bonus_token_ids.view(-1)
+    if sampling_metadata.all_greedy and walk is rejection_walk_reference:
+        return greedy_walk_torch(draft_token_ids, num_draft_tokens, max_spec_len, target_argmax,
+                                 bonus)
     if sampling_metadata.all_greedy:
         is_greedy = torch.ones(len(num_draft_tokens), dtype=torch.bool,
                                device=target_logits.device)
