@@ -230,6 +230,26 @@ class DraftPolicy:
         """[n] draft lengths that maximise predicted tokens per second."""
         n = len(req_ids)
         expected = self.acceptance.expected_accepted(req_ids)[:, self.levels]  # [n, L]
+        # One length for the whole batch (what a fixed K is), at every level; level 0 is off.
+        rates = (n + expected.sum(axis=0)) / self.cost.predict(
+            n + n * self.levels, n, self.levels > 0)
+        best = 1 + int(np.argmax(rates[1:]))
+        lengths, on = np.full(n, self.levels[best]), rates[best]
+        # Lengths per request only when predicted clearly faster: uniform batches keep the
+        # target's shapes uniform, and small predicted gains are within the estimates' error.
+        per_request, per_request_rate = self._per_request(expected)
+        if per_request_rate > on * (1.0 + SWITCH_MARGIN):
+            lengths, on = per_request, per_request_rate
+        off = rates[0]
+        if self.drafting:  # stop only when plain decoding is clearly faster, and vice versa
+            self.drafting = not off > on * (1.0 + SWITCH_MARGIN)
+        else:
+            self.drafting = on > off * (1.0 + SWITCH_MARGIN)
+        return lengths if self.drafting else np.zeros(n, dtype=lengths.dtype)
+
+    def _per_request(self, expected: np.ndarray) -> tuple[np.ndarray, float]:
+        """The best drafting plan with a level per request, and its predicted tokens/s."""
+        n = len(expected)
         # Upgrades: request r from level j-1 to j, worth gain[r, j] tokens for width[j] tokens.
         gain = np.diff(expected, axis=1)
         width = np.diff(self.levels)
@@ -238,19 +258,12 @@ class DraftPolicy:
         per_token = np.minimum.accumulate(gain / width, axis=1)
         rows, cols = np.indices(gain.shape)
         order = np.lexsort((cols.ravel(), -per_token.ravel()))
-        widths = np.broadcast_to(width, gain.shape).ravel()[order]
-        extra_tokens = np.concatenate([[0], np.cumsum(widths)])
-        extra_gain = np.concatenate([[0.0], np.cumsum(gain.ravel()[order])])
-        seconds = self.cost.predict(n + extra_tokens, n, extra_tokens > 0)
-        tokens_per_s = (n + extra_gain) / seconds
-        best = 1 + int(np.argmax(tokens_per_s[1:]))
-        on, off = tokens_per_s[best], tokens_per_s[0]
-        if self.drafting:  # stop only when plain decoding is clearly faster, and vice versa
-            self.drafting = not off > on * (1.0 + SWITCH_MARGIN)
-        else:
-            self.drafting = on > off * (1.0 + SWITCH_MARGIN)
-        num_upgrades = best if self.drafting else 0
-        return self.levels[np.bincount(rows.ravel()[order[:num_upgrades]], minlength=n)]
+        extra_tokens = np.cumsum(np.broadcast_to(width, gain.shape).ravel()[order])
+        extra_gain = np.cumsum(gain.ravel()[order])
+        tokens_per_s = (n + extra_gain) / self.cost.predict(n + extra_tokens, n, True)
+        best = int(np.argmax(tokens_per_s))
+        lengths = self.levels[np.bincount(rows.ravel()[order[: best + 1]], minlength=n)]
+        return lengths, float(tokens_per_s[best])
 
     def observe(self, drafts: list[tuple[str, int, int]], num_tokens: int, batch_size: int,
                 drafted: bool) -> None:
@@ -268,9 +281,10 @@ class DraftPolicy:
         """No requests left: the gap until the next step is not a step's cost."""
         self.last_step_end = None
 
-    def summary(self) -> str | None:
-        """A one-line account of recent decisions, at most every REPORT_INTERVAL_S."""
-        return self.report.take(self)
+    def summary(self, flush: bool = False) -> str | None:
+        """A one-line account of recent decisions, at most every REPORT_INTERVAL_S unless
+        flush (the engine went idle: the account of a burst shorter than the interval)."""
+        return self.report.take(self, flush)
 
 
 class _Report:
@@ -289,9 +303,9 @@ class _Report:
         self.steps += 1
         self.drafting_steps += drafting
 
-    def take(self, policy: DraftPolicy) -> str | None:
+    def take(self, policy: DraftPolicy, flush: bool) -> str | None:
         now = time.perf_counter()
-        if now - self.since < REPORT_INTERVAL_S or self.steps == 0:
+        if (now - self.since < REPORT_INTERVAL_S and not flush) or self.steps == 0:
             return None
         total = self.counts.sum()
         mean = float(self.counts @ self.levels) / total

@@ -226,6 +226,7 @@ def _patch_scheduler() -> None:
         outputs = update_from_output(self, scheduler_output, model_runner_output)
         if policy is not None and not self.has_unfinished_requests():
             policy.idle()
+            _log_summary(policy.summary(flush=True))
         return outputs
 
     schedule_with_policy.vllm_dflash = True
@@ -256,7 +257,10 @@ def _observe_step(policy, scheduler_output, model_runner_output) -> None:
         batch_size=len(scheduler_output.num_scheduled_tokens),
         drafted=scheduler_output.num_spec_tokens_to_schedule > 0,
     )
-    summary = policy.summary()
+    _log_summary(policy.summary())
+
+
+def _log_summary(summary: str | None) -> None:
     if summary:
         logger.info("vllm-dflash: %s", summary)
 
