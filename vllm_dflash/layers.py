@@ -21,10 +21,27 @@ def rope_cos_sin_cache(
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] by its absolute positions [T] (rotate-half / neox layout)."""
-    half = x.shape[-1] // 2
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+
+def rope_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> RopeTables:
+    """cos and sin [T, 1, head_dim] fp32 at positions [T], each half repeated and sin's first
+    half negated: what `rotate` multiplies every head by. Built once per forward pass and
+    shared by every layer's queries and keys."""
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.to(x.dtype)
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def rotate(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+    """RoPE of x [T, heads, head_dim] (rotate-half / neox layout), computed in fp32:
+    [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]."""
+    cos, sin = tables
+    half = x.shape[-1] // 2
+    xf = x.float()
+    swapped = torch.cat([xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + swapped * sin).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] by its absolute positions [T]."""
+    return rotate(x, rope_tables(positions, cos_sin_cache))

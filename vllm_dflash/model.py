@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from vllm_dflash.config import DFlashConfig
-from vllm_dflash.layers import apply_rope, rms_norm, rope_cos_sin_cache
+from vllm_dflash.layers import RopeTables, rms_norm, rope_cos_sin_cache, rope_tables, rotate
 
 KV = tuple[torch.Tensor, torch.Tensor]
 # attend(layer_idx, q [Tq, Hq, D], k [Tq, Hkv, D], v [Tq, Hkv, D]) -> [Tq, Hq, D], where k/v are
@@ -46,18 +46,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def kv(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> KV:
+    def kv(self, x: torch.Tensor, rope: RopeTables) -> KV:
         """K/V of tokens x [T, H]: k_proj -> k_norm -> RoPE; v_proj. Context and block alike."""
         k = self.k_norm(self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        return apply_rope(k, positions, cos_sin), v
+        return rotate(k, rope), v
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attend: LayerAttend
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeTables, attend: LayerAttend) -> torch.Tensor:
         q = self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim))
-        q = apply_rope(q, positions, cos_sin)
-        k, v = self.kv(x, positions, cos_sin)
+        q = rotate(q, rope)
+        k, v = self.kv(x, rope)
         return self.o_proj(attend(q, k, v).flatten(1))
 
 
@@ -80,10 +78,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attend: LayerAttend
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, cos_sin, attend)
+    def forward(self, h: torch.Tensor, rope: RopeTables, attend: LayerAttend) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, attend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -123,8 +119,8 @@ class DFlashDrafter(nn.Module):
 
         A pure function of the target features: compute it once per accepted token and cache it.
         """
-        cos_sin = self.rope_cache(ctx.device)
-        return [layer.self_attn.kv(ctx, positions, cos_sin) for layer in self.layers]
+        rope = rope_tables(positions, self.rope_cache(ctx.device))
+        return [layer.self_attn.kv(ctx, rope) for layer in self.layers]
 
     def kv_weight(self) -> torch.Tensor:
         """[L*2*Hkv*D, H]: per layer [k_proj.weight; v_proj.weight], for a fused KV kernel.
@@ -144,10 +140,10 @@ class DFlashDrafter(nn.Module):
         self, block_embeds: torch.Tensor, positions: torch.Tensor, attend: Attend
     ) -> torch.Tensor:
         """Block embeddings [Tq, H] at positions [Tq] -> final-normed hidden states [Tq, H]."""
-        cos_sin = self.rope_cache(block_embeds.device)
+        rope = rope_tables(positions, self.rope_cache(block_embeds.device))
         h = block_embeds
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, cos_sin, partial(attend, i))
+            h = layer(h, rope, partial(attend, i))
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
