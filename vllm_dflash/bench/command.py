@@ -87,12 +87,14 @@ def run(args: argparse.Namespace) -> None:
 def run_all(base: dict, prompts: list[str], concurrencies: list[int], methods: list[str],
             out: Path, repeats: int = 1) -> list[dict]:
     """Concurrency-major, then repeat, then method: methods alternate, so load drift hits
-    them all."""
+    them all, and each repeat starts one method later, so no method always follows the same
+    one (a run can slow the next, through caches and the machine's other jobs)."""
     bar = progress_bar(total=len(concurrencies) * repeats * len(methods), desc="bench")
     results = []
     for concurrency in concurrencies:
         for repeat in range(repeats):
-            for method in methods:
+            shift = repeat % len(methods)
+            for method in methods[shift:] + methods[:shift]:
                 bar.set_postfix_str(f"{method} C={concurrency} #{repeat + 1}")
                 spec = RunSpec(method=method, concurrency=concurrency,
                                prompts=requests_for(prompts, concurrency), **base)
