@@ -59,6 +59,7 @@ from vllm_dflash.kernels.verify import (
     verify_triton,
 )
 from vllm_dflash.model import DFlashDrafter
+from vllm_dflash.tiny import random_drafter
 
 GPU_SHAPES = {"hidden": 4096, "layers": 5, "heads": 32, "kv_heads": 8, "head_dim": 128,
               "intermediate": 12288, "features": 5, "context": 1024, "vocab": 151936}
@@ -107,21 +108,6 @@ def drafter_config(args: argparse.Namespace) -> DFlashConfig:
         target_layer_ids=list(range(args.features)), num_target_layers=args.features + 2,
         causal=args.causal,
     )
-
-
-def random_drafter(cfg: DFlashConfig, device: torch.device, dtype: torch.dtype) -> DFlashDrafter:
-    """Normal(0, 0.02) weights and unit norms, drawn on the device: the ~1B parameters of a
-    Qwen3-8B drafter take seconds there, far longer through a host-side init."""
-    with torch.device("meta"):
-        drafter = DFlashDrafter(cfg).to(dtype)
-    drafter = drafter.to_empty(device=device)
-    with torch.no_grad():
-        for name, param in drafter.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02)
-    return drafter.eval()
 
 
 @dataclass
@@ -360,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
           + ("" if device.type == "cuda" else f", {torch.get_num_threads()} threads"))
     if device.type == "cuda" and not _cuda.available():
         print(f"CUDA extension not available ({_cuda.import_error}): no cuda path")
-    drafter = random_drafter(drafter_config(args), device, args.dtype)
+    drafter = random_drafter(drafter_config(args), device=device, dtype=args.dtype).eval()
     # The target's embedding and lm_head, which the drafter shares.
     weights = tuple(0.02 * torch.randn(args.vocab, args.hidden, dtype=args.dtype, device=device)
                     for _ in range(2))

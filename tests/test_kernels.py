@@ -388,7 +388,9 @@ def _sm90_compile(kernel, signature: dict[str, str], constexprs: dict):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32))
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="kernels are interpreted")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="TRITON_INTERPRET=1 swaps Triton's compiler for its interpreter; this "
+                    "test checks the compiler, and runs in the default suite without it")
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")
 def test_triton_kernels_compile_for_sm90() -> None:
     """The bf16 kernels at Qwen3-8B drafter shapes go through the whole GPU compiler (ptx, cubin):
@@ -428,7 +430,9 @@ def test_triton_kernels_compile_for_sm90() -> None:
 NVCC = shutil.which("nvcc")
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH: CUDA sources not compiled")
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH: the CUDA sources cannot be "
+                    "compiled on this machine (scripts/gpu_check.sh builds them on a GPU one); the "
+                    "CPU path does not use them")
 def test_cuda_sources_compile(tmp_path: Path) -> None:
     from torch.utils.cpp_extension import include_paths
 

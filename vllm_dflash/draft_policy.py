@@ -12,8 +12,8 @@ positions 1..i-1 were (DFlash's per-position acceptance, measured online). The s
 
 with target(T) and drafter(n) profiled on the running engine at start-up, and the host's work
 that those forward passes do not include (scheduling, sampling, bookkeeping: a fixed part and
-a part per request) fitted online to the measured step times. The policy maximises tokens per second of the batch,
-choosing each k_r from a small fixed set (0, 1, 3, 7, ..., K) so that the shapes the target and
+a part per request) fitted online to the measured step times. The policy maximises tokens per
+second of the batch, choosing each k_r from a small fixed set (0, 1, 3, 7, ..., K) so that the shapes the target and
 drafter see stay few. k_r = 0 is plain decoding; when every k_r is 0 the drafter is skipped.
 
 Pure Python + numpy: no vLLM, no device work, no synchronisation. vLLM's scheduler calls it

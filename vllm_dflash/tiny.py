@@ -107,10 +107,21 @@ def write_random_target(
     return out_dir
 
 
-def random_drafter(cfg: DFlashConfig, seed: int = 0) -> DFlashDrafter:
-    """Drafter with normal(0, 0.02) weights, unit norms and zero biases (non-degenerate)."""
-    drafter = DFlashDrafter(cfg)
-    generator = torch.Generator().manual_seed(seed)
+def random_drafter(
+    cfg: DFlashConfig,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> DFlashDrafter:
+    """Drafter with normal(0, 0.02) weights, unit norms and zero biases (non-degenerate).
+
+    Drawn where it lives: the ~1B parameters of a Qwen3-8B drafter take seconds on a GPU and
+    far longer through a host-side init.
+    """
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg).to(dtype)
+    drafter = drafter.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in drafter.named_parameters():
             if name.endswith("norm.weight"):

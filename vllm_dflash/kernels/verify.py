@@ -474,10 +474,10 @@ def vllm_rejection_sample(
     walk = _walk_for(target_logits.device)
     target_argmax = argmax_rows(target_logits)
     bonus = bonus_token_ids.view(-1)
-    if sampling_metadata.all_greedy and walk is rejection_walk_reference:
-        return greedy_walk_torch(draft_token_ids, num_draft_tokens, max_spec_len, target_argmax,
-                                 bonus)
     if sampling_metadata.all_greedy:
+        if target_logits.device.type != "cuda":  # the torch fallback, as in _walk_for
+            return greedy_walk_torch(draft_token_ids, num_draft_tokens, max_spec_len,
+                                     target_argmax, bonus)
         is_greedy = torch.ones(len(num_draft_tokens), dtype=torch.bool,
                                device=target_logits.device)
         return walk(draft_token_ids, cu_num_draft_tokens, max_spec_len, None, target_logits,
