@@ -297,8 +297,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
             context_lens=context_lens.to(torch.int32),
             query_start_loc=self.arange[: cad.batch_size() + 1] * self.block_len,
         )
-        # The block keeps its trained length; the policy may take fewer of its tokens.
-        return self.draft(next_token_ids, batch)[:, :num_speculative_tokens]
+        return self.draft(next_token_ids, batch, num_speculative_tokens)
 
     def inject_context(
         self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
@@ -313,8 +312,9 @@ class DFlashProposer(SpecDecodeBaseProposer):
             [layer.kv_cache for layer in self.kv_layers],
         )
 
-    def draft(self, anchor_ids: torch.Tensor, batch: DraftBatch) -> torch.Tensor:
-        """[B] anchors -> [B, K] greedy draft tokens."""
+    def draft(self, anchor_ids: torch.Tensor, batch: DraftBatch, num_draft: int) -> torch.Tensor:
+        """[B] anchors -> [B, num_draft] greedy draft tokens. The block keeps its trained
+        length; when the policy takes fewer tokens, only theirs go through the lm_head."""
         num_reqs = anchor_ids.shape[0]
         block_ids = self.mask_ids[:num_reqs].clone()
         block_ids[:, 0] = anchor_ids
@@ -323,11 +323,11 @@ class DFlashProposer(SpecDecodeBaseProposer):
         if self.dflash_config.input_embedding_scale != 1.0:  # a full pass over the embeddings
             embeds = embeds * self.dflash_config.input_embedding_scale
         hidden = self.drafter(embeds.to(self.dtype), positions, self.paged_attend(batch))
-        hidden = hidden.view(num_reqs, self.block_len, -1)[:, 1:].flatten(0, 1)
+        hidden = hidden.view(num_reqs, self.block_len, -1)[:, 1 : 1 + num_draft].flatten(0, 1)
         # Greedy drafts: output_multiplier and softcapping are monotonic, so the argmax of the
         # target's logits is the drafter's argmax.
         logits = self.target.compute_logits(hidden)
-        return argmax_rows(logits).view(num_reqs, self.num_speculative_tokens)
+        return argmax_rows(logits).view(num_reqs, num_draft)
 
     def paged_attend(self, batch: DraftBatch) -> Attend:
         cfg = self.dflash_config
@@ -355,7 +355,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         torch.nn.functional.linear(ctx, self.kv_weight)
         if self.dummy_runs_draft:
             num_reqs = max(1, min(self.max_batch_size, num_tokens // self.block_len))
-            self.draft(*self.dummy_draft_inputs(num_reqs))
+            self.draft(*self.dummy_draft_inputs(num_reqs), self.num_speculative_tokens)
 
     def dummy_draft_inputs(self, num_reqs: int) -> tuple[torch.Tensor, DraftBatch]:
         """Anchors and an empty-context batch of num_reqs blocks, for profiling."""
@@ -380,7 +380,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
         finally:
             self.dummy_runs_draft = True
         batch_sizes, drafter_s = _time_series(
-            max_reqs, lambda n: self.draft(*self.dummy_draft_inputs(n)), self.device)
+            max_reqs, lambda n: self.draft(*self.dummy_draft_inputs(n), self.num_speculative_tokens),
+            self.device)
         return StepProfile(tokens, target_s, batch_sizes, drafter_s)
 
 
