@@ -10,7 +10,7 @@ import pytest
 from tests.engines import MAX_MODEL_LEN, make_pair
 from vllm_dflash.bench.counters import SpecCounters, acceptance, from_prometheus
 from vllm_dflash.bench.prompts import requests_for
-from vllm_dflash.bench.report import compare_to_baseline, median_of_repeats
+from vllm_dflash.bench.report import compare_to_baseline, median_of_repeats, paired_ratios
 from vllm_dflash.cli import main
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by every engine process
@@ -46,6 +46,9 @@ def test_offline_writes_json_png_and_table(offline):
         ("none", 1), ("vllm-dflash", 1), ("none", 2), ("vllm-dflash", 2)]
     assert (out / "bench.png").read_bytes().startswith(b"\x89PNG")
     assert "| vllm-dflash | 2 |" in (out / "table.md").read_text()
+    assert "| vllm-dflash / none |" in (out / "table.md").read_text()
+    assert [(r["numerator"], r["concurrency"]) for r in report["paired_ratios"]] == [
+        ("vllm-dflash", 1), ("vllm-dflash", 2)]
     # Each run set its method's environment before building its engine: this is our proposer.
     log = (out / "logs" / "offline-vllm-dflash-c1.log").read_text()
     assert "implementation=vllm-dflash (vllm_dflash.proposer.DFlashProposer)" in log
@@ -134,3 +137,21 @@ def test_repeats_keep_the_median_run():
     assert rows[0]["output_tokens_per_s"] == 20.0
     assert rows[0]["tokens_per_s_repeats"] == [10.0, 20.0, 30.0]
     assert rows[1]["error"] == "exit code 1"  # a failed repeat is not hidden by the others
+
+
+def test_paired_ratios_pair_runs_of_the_same_repeat():
+    def run(method, tokens_per_s, repeat):
+        return {"method": method, "concurrency": 1, "repeat": repeat,
+                "output_tokens_per_s": tokens_per_s}
+
+    # The machine slows down between repeats; within a repeat a is 2x none and 1.25x b.
+    results = [run("none", 10.0, 0), run("a", 20.0, 0), run("b", 16.0, 0),
+               run("none", 5.0, 1), run("a", 10.0, 1), run("b", 8.0, 1),
+               run("none", 20.0, 2), run("a", 40.0, 2),
+               {"method": "b", "concurrency": 1, "repeat": 2, "error": "exit code 1"}]
+    ratios = {(r["numerator"], r["denominator"]): r
+              for r in paired_ratios(results, ["none", "a", "b"])}
+    assert set(ratios) == {("a", "none"), ("b", "none"), ("a", "b")}
+    assert ratios["a", "none"] == {"concurrency": 1, "numerator": "a", "denominator": "none",
+                                   "median": 2.0, "min": 2.0, "max": 2.0, "repeats": 3}
+    assert ratios["a", "b"]["median"] == 1.25 and ratios["a", "b"]["repeats"] == 2  # failed: out

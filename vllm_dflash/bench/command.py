@@ -12,7 +12,12 @@ from pathlib import Path
 
 from vllm_dflash.bench.methods import check_methods, default_num_speculative_tokens
 from vllm_dflash.bench.prompts import load_prompts, requests_for
-from vllm_dflash.bench.report import compare_to_baseline, median_of_repeats, write_report
+from vllm_dflash.bench.report import (
+    compare_to_baseline,
+    median_of_repeats,
+    paired_ratios,
+    write_report,
+)
 from vllm_dflash.bench.run import run_in_subprocess
 from vllm_dflash.bench.runspec import RunSpec
 from vllm_dflash.train.progress import progress_bar
@@ -80,7 +85,8 @@ def run(args: argparse.Namespace) -> None:
                    "concurrency": args.concurrency, "methods": args.methods, "gpu": gpu,
                    "repeats": args.repeats, "cpu_count": os.cpu_count(),
                    "machine": platform.platform()}
-    print(write_report(out, meta, compare_to_baseline(median_of_repeats(results))))
+    rows = compare_to_baseline(median_of_repeats(results))
+    print(write_report(out, meta, rows, paired_ratios(results, args.methods)))
     print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
 
 

@@ -2,6 +2,7 @@
 no speculation, and bench.json, bench.png and table.md."""
 
 import json
+import statistics
 from pathlib import Path
 
 from vllm_dflash.bench.counters import SpecCounters, acceptance
@@ -27,6 +28,30 @@ def median_of_repeats(results: list[dict]) -> list[dict]:
     return rows
 
 
+def paired_ratios(results: list[dict], methods: list[str]) -> list[dict]:
+    """Tokens/s ratios of two methods run in the same repeat, next to each other in time, so
+    the machine's load drift cancels out of each one; their median and range over repeats.
+
+    Pairs: every method against no speculation, and each speculative method against every
+    one listed after it (e.g. vllm-dflash / vllm-inproc-dflash)."""
+    speed = {(r["method"], r["concurrency"], r.get("repeat", 0)): r["output_tokens_per_s"]
+             for r in results if ok(r)}
+    spec = [m for m in methods if m != BASELINE]
+    pairs = [(m, BASELINE) for m in spec] if BASELINE in methods else []
+    pairs += [(a, b) for i, a in enumerate(spec) for b in spec[i + 1 :]]
+    rows = []
+    for concurrency in dict.fromkeys(r["concurrency"] for r in results):
+        repeats = sorted({r.get("repeat", 0) for r in results if r["concurrency"] == concurrency})
+        for a, b in pairs:
+            ratios = [speed[a, concurrency, i] / speed[b, concurrency, i] for i in repeats
+                      if (a, concurrency, i) in speed and (b, concurrency, i) in speed]
+            if ratios:
+                rows.append({"concurrency": concurrency, "numerator": a, "denominator": b,
+                             "median": statistics.median(ratios), "min": min(ratios),
+                             "max": max(ratios), "repeats": len(ratios)})
+    return rows
+
+
 def compare_to_baseline(results: list[dict]) -> list[dict]:
     """Adds speedup_vs_none and greedy_equals_none (None without a baseline run at that
     concurrency) and drops the token ids."""
@@ -48,11 +73,14 @@ def ok(result: dict) -> bool:
     return "error" not in result
 
 
-def write_report(out_dir: Path, meta: dict, rows: list[dict]) -> str:
-    """Writes bench.json, bench.png and table.md into out_dir; returns the markdown table."""
-    (out_dir / "bench.json").write_text(json.dumps({"meta": meta, "runs": rows}, indent=2) + "\n")
+def write_report(out_dir: Path, meta: dict, rows: list[dict], ratios: list[dict]) -> str:
+    """Writes bench.json, bench.png and table.md into out_dir; returns the markdown tables."""
+    report = {"meta": meta, "runs": rows, "paired_ratios": ratios}
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(out_dir / "bench.png", rows, meta["mode"])
     table = markdown_table(rows, server=meta["mode"] == "server")
+    if ratios:
+        table += "\n\n" + ratio_table(ratios)
     (out_dir / "table.md").write_text(table + "\n")
     return table
 
@@ -106,6 +134,22 @@ def markdown_table(rows: list[dict], server: bool) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for row in rows:
         lines.append("| " + " | ".join(table_cells(row, server)) + " |")
+    return "\n".join(lines)
+
+
+def ratio_table(ratios: list[dict]) -> str:
+    """Paired ratios: one row per method pair, one column per concurrency."""
+    concurrencies = list(dict.fromkeys(r["concurrency"] for r in ratios))
+    cells: dict[str, dict[int, str]] = {}
+    for r in ratios:
+        pair = f"{r['numerator']} / {r['denominator']}"
+        cells.setdefault(pair, {})[r["concurrency"]] = (
+            f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})")
+    header = ["tokens/s ratio, same repeat: median (min-max)"] + [f"C={c}" for c in concurrencies]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for pair, by_concurrency in cells.items():
+        row = [pair] + [by_concurrency.get(c, "-") for c in concurrencies]
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
