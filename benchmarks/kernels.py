@@ -40,8 +40,10 @@ import torch
 from torch.nn import functional as F
 
 from vllm_dflash.config import DFlashConfig
+from vllm_dflash.draft_graphs import DraftGraphs
 from vllm_dflash.kernels import _cuda
 from vllm_dflash.kernels.draft_attention import (
+    DraftBatch,
     draft_attention_reference,
     draft_attention_torch,
     draft_attention_triton,
@@ -118,7 +120,7 @@ class PagedBatch:
     block_table: torch.Tensor  # [B, blocks per request] int32, shuffled
     context_lens: torch.Tensor  # [B] int32
     query_start_loc: torch.Tensor  # [B+1] int32
-    anchors: torch.Tensor  # [B] int64: static input of the CUDA graph
+    anchors: torch.Tensor  # [B] int32
 
 
 def paged_batch(args: argparse.Namespace, batch: int, device: torch.device) -> PagedBatch:
@@ -138,7 +140,7 @@ def paged_batch(args: argparse.Namespace, batch: int, device: torch.device) -> P
         block_table=block_table.int(),
         context_lens=torch.full((batch,), args.context, dtype=torch.int32, device=device),
         query_start_loc=torch.arange(0, batch * b + 1, b, dtype=torch.int32, device=device),
-        anchors=torch.randint(2, args.vocab, (batch,), device=device),
+        anchors=torch.randint(2, args.vocab, (batch,), dtype=torch.int32, device=device),
     )
 
 
@@ -220,38 +222,24 @@ def bench_verify(args: argparse.Namespace, batch: int, device: torch.device,
 
 
 def draft_step(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head: torch.Tensor,
-               paged: PagedBatch, attention: Callable[..., torch.Tensor]) -> torch.Tensor:
+               caches: list[torch.Tensor], anchors: torch.Tensor, batch: DraftBatch,
+               attention: Callable[..., torch.Tensor]) -> torch.Tensor:
     """[B] anchors -> [B, block-1] greedy draft tokens, the steps of DFlashProposer.draft."""
     cfg = drafter.cfg
-    num_reqs = paged.anchors.shape[0]
-    block_ids = torch.full((num_reqs, cfg.block_size), cfg.mask_token_id,
-                           device=paged.anchors.device)
-    block_ids[:, 0] = paged.anchors
+    num_reqs = anchors.shape[0]
+    block_ids = torch.full((num_reqs, cfg.block_size), cfg.mask_token_id, device=anchors.device)
+    block_ids[:, 0] = anchors
     offsets = torch.arange(cfg.block_size, device=block_ids.device)
-    positions = (paged.context_lens[:, None] + offsets).flatten()
+    positions = (batch.context_lens[:, None] + offsets).flatten()
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attention(q, k, v, paged.caches[layer], paged.block_table, paged.context_lens,
-                         paged.query_start_loc, drafter.scale, cfg.layer_is_causal(layer),
+        return attention(q, k, v, caches[layer], batch.block_table, batch.context_lens,
+                         batch.query_start_loc, drafter.scale, cfg.layer_is_causal(layer),
                          cfg.layer_window(layer), max_query_len=cfg.block_size)
 
     hidden = drafter(F.embedding(block_ids.flatten(), embed_weight), positions, attend)
     hidden = hidden.view(num_reqs, cfg.block_size, -1)[:, 1:].flatten(0, 1)
     return F.linear(hidden, lm_head).max(dim=-1).indices.view(num_reqs, -1)
-
-
-def capture(step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """A CUDA graph of step() and its static output tensor."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # lazy initialisations (cuBLAS, Triton) happen before capture
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    return graph, out
 
 
 def bench_drafter_step(args: argparse.Namespace, drafter: DFlashDrafter,
@@ -263,10 +251,12 @@ def bench_drafter_step(args: argparse.Namespace, drafter: DFlashDrafter,
     paths = {"torch": draft_attention_torch}
     if device.type == "cuda":
         paths["triton"] = draft_attention_triton
+    draft_batch = DraftBatch(paged.block_table, paged.context_lens, paged.query_start_loc)
     eager_ms = {}
     for name, attention in paths.items():
         def step(attention=attention) -> torch.Tensor:
-            return draft_step(drafter, *weights, paged, attention)
+            return draft_step(drafter, *weights, paged.caches, paged.anchors, draft_batch,
+                              attention)
 
         eager_ms[name] = median_ms(step, device, args.repeats, args.warmup)
         report(rows, {"what": "drafter_step", "path": name, "batch": batch, "tokens": tokens,
@@ -274,17 +264,19 @@ def bench_drafter_step(args: argparse.Namespace, drafter: DFlashDrafter,
     if not args.cuda_graph:
         return True
 
-    def triton_step() -> torch.Tensor:
-        return draft_step(drafter, *weights, paged, draft_attention_triton)
+    def triton_step(anchors: torch.Tensor, draft: DraftBatch) -> torch.Tensor:
+        return draft_step(drafter, *weights, paged.caches, anchors, draft,
+                          draft_attention_triton)
 
-    graph, graph_tokens = capture(triton_step)
-    # Two sets of anchors written into the static input: the replay must follow the buffer.
+    # The proposer's graphs: inputs copied into static buffers, replay, output copied out.
+    graphs = DraftGraphs(triton_step, [batch], paged.block_table.shape[1],
+                         args.draft_block_size, device)
+    graphs.capture()
     equal = True
-    for anchors in (paged.anchors.clone(), torch.randint_like(paged.anchors, 2, args.vocab)):
-        paged.anchors.copy_(anchors)
-        graph.replay()
-        equal &= torch.equal(graph_tokens, triton_step())
-    ms = median_ms(graph.replay, device, args.repeats, args.warmup)
+    for anchors in (paged.anchors, torch.randint_like(paged.anchors, 2, args.vocab)):
+        equal &= torch.equal(graphs.run(anchors, draft_batch), triton_step(anchors, draft_batch))
+    ms = median_ms(lambda: graphs.run(paged.anchors, draft_batch), device, args.repeats,
+                   args.warmup)
     note = (f"  (eager {eager_ms['triton']:.3f} ms, {eager_ms['triton'] / ms:.2f}x; "
             f"draft tokens equal eager: {'yes' if equal else 'NO'})")
     report(rows, {"what": "drafter_step", "path": "triton+cuda-graph", "batch": batch,

@@ -626,7 +626,13 @@ def step_e2e(runner: Runner, args: argparse.Namespace) -> Result:
                      *failures]))
     if failures:
         return result(FAILED, f"{len(failures)} requests differ from no speculation")
-    graphs = "CUDA graphs on" if outputs["dflash"]["cuda_graphs"] else "eager (no GPU)"
+    on_gpu = outputs["dflash"]["cuda_graphs"]
+    captured = next((line for line in logs["dflash"].splitlines()
+                     if "drafter CUDA graphs captured" in line), None)
+    if on_gpu and captured is None:
+        return result(FAILED, "greedy output equal, but the drafter ran without CUDA graphs")
+    graphs = f"CUDA graphs on ({captured.split('vllm-dflash: ')[-1]})" if on_gpu else \
+        "eager (no GPU)"
     return result(OK, f"greedy with DFlash == without, batch 1 and 16, {graphs}")
 
 

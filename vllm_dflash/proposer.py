@@ -17,12 +17,11 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from vllm.config import VllmConfig
+from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -37,23 +36,15 @@ from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 from vllm_dflash import checkpoint, plugin
 from vllm_dflash.checkpoint import load_drafter
 from vllm_dflash.config import DFlashConfig, DFlashConfigError, validate_against_target
+from vllm_dflash.draft_graphs import DraftGraphs
 from vllm_dflash.draft_policy import StepProfile
 from vllm_dflash.kernels.argmax import argmax_rows
-from vllm_dflash.kernels.draft_attention import draft_attention
+from vllm_dflash.kernels.draft_attention import DraftBatch, draft_attention
 from vllm_dflash.kernels.kv_injection import kv_injection
 from vllm_dflash.model import Attend, DFlashDrafter
 
 logger = logging.getLogger("vllm.vllm_dflash")  # inherits vLLM's log handler
 PROFILE_STOP_S = 0.5
-
-
-@dataclass
-class DraftBatch:
-    """Where each request's block sits: what the paged draft attention needs."""
-
-    block_table: torch.Tensor  # [B, max_blocks] int32
-    context_lens: torch.Tensor  # [B] int32: valid context tokens = anchor position
-    query_start_loc: torch.Tensor  # [B+1] int32: B blocks of block_len queries
 
 
 class DraftKVLayer(torch.nn.Module, AttentionLayerBase):
@@ -207,6 +198,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         ]
         self.kv_layers: list[DraftKVLayer] = []
         self.dummy_runs_draft = True  # off while profiling the target alone
+        self.draft_graphs: DraftGraphs | None = None  # captured with vLLM's graphs
         # vLLM captures each target layer once, in ascending order; the drafter wants its
         # target_layer_ids order, duplicates included.
         ids = self.dflash_config.target_layer_ids
@@ -297,7 +289,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
             context_lens=context_lens.to(torch.int32),
             query_start_loc=self.arange[: cad.batch_size() + 1] * self.block_len,
         )
-        return self.draft(next_token_ids, batch, num_speculative_tokens)
+        return self.draft_tokens(next_token_ids, batch, num_speculative_tokens)
 
     def inject_context(
         self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
@@ -311,6 +303,16 @@ class DFlashProposer(SpecDecodeBaseProposer):
             self.dflash_config.rms_norm_eps, self.cos_sin_cache,
             [layer.kv_cache for layer in self.kv_layers],
         )
+
+    def draft_tokens(
+        self, anchor_ids: torch.Tensor, batch: DraftBatch, num_draft: int
+    ) -> torch.Tensor:
+        """The draft step, replayed from a CUDA graph when one fits the batch."""
+        if self.draft_graphs is not None:
+            tokens = self.draft_graphs.run(anchor_ids, batch)
+            if tokens is not None:
+                return tokens[:, :num_draft]
+        return self.draft(anchor_ids, batch, num_draft)
 
     def draft(self, anchor_ids: torch.Tensor, batch: DraftBatch, num_draft: int) -> torch.Tensor:
         """[B] anchors -> [B, num_draft] greedy draft tokens. The block keeps its trained
@@ -346,7 +348,10 @@ class DFlashProposer(SpecDecodeBaseProposer):
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True,
                   is_graph_capturing: bool = False, slot_mappings: Any = None) -> None:
-        """Profile-time run at the largest shapes; writes no cache (pages may not exist yet)."""
+        """Profile-time run at the largest shapes; writes no cache (pages may not exist yet).
+        The first run while vLLM captures its CUDA graphs captures the drafter's."""
+        if is_graph_capturing and self.draft_graphs is None and self.uses_cuda_graphs():
+            self.capture_draft_graphs()
         cfg = self.dflash_config
         features = self.hidden_states.new_zeros(
             num_tokens, len(cfg.target_layer_ids) * cfg.hidden_size
@@ -356,6 +361,39 @@ class DFlashProposer(SpecDecodeBaseProposer):
         if self.dummy_runs_draft:
             num_reqs = max(1, min(self.max_batch_size, num_tokens // self.block_len))
             self.draft(*self.dummy_draft_inputs(num_reqs), self.num_speculative_tokens)
+
+    def uses_cuda_graphs(self) -> bool:
+        """Like vLLM's drafters: on CUDA unless the target or the speculative config is eager.
+        Single GPU only: with tensor parallelism the lm_head's logits are gathered across
+        ranks, which the captured step does not do."""
+        config = self.vllm_config
+        return (
+            self.device.type == "cuda"
+            and config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
+            and not config.model_config.enforce_eager
+            and not config.speculative_config.enforce_eager
+            and config.parallel_config.tensor_parallel_size == 1
+        )
+
+    def capture_draft_graphs(self) -> None:
+        """One graph per batch size in vLLM's capture sizes, up to max_num_seqs."""
+        capture_sizes = self.vllm_config.compilation_config.cudagraph_capture_sizes or []
+        sizes = [s for s in capture_sizes if s < self.max_batch_size] + [self.max_batch_size]
+        max_blocks = -(-self.vllm_config.model_config.max_model_len // self.block_size)
+        graphs = DraftGraphs(
+            lambda anchors, batch: self.draft(anchors, batch, self.num_speculative_tokens),
+            sizes, max_blocks, self.block_len, self.device,
+        )
+        start = time.perf_counter()
+        try:
+            graphs.capture()
+        except RuntimeError as error:
+            logger.warning("vllm-dflash: capturing the drafter's CUDA graphs failed (%s); the "
+                           "drafter runs eagerly", error)
+            return
+        self.draft_graphs = graphs
+        logger.info("vllm-dflash: drafter CUDA graphs captured for %d batch sizes (1..%d) in "
+                    "%.1f s", len(graphs.sizes), graphs.sizes[-1], time.perf_counter() - start)
 
     def dummy_draft_inputs(self, num_reqs: int) -> tuple[torch.Tensor, DraftBatch]:
         """Anchors and an empty-context batch of num_reqs blocks, for profiling."""
@@ -380,7 +418,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
         finally:
             self.dummy_runs_draft = True
         batch_sizes, drafter_s = _time_series(
-            max_reqs, lambda n: self.draft(*self.dummy_draft_inputs(n), self.num_speculative_tokens),
+            max_reqs,
+            lambda n: self.draft_tokens(*self.dummy_draft_inputs(n), self.num_speculative_tokens),
             self.device)
         return StepProfile(tokens, target_s, batch_sizes, drafter_s)
 

@@ -17,10 +17,20 @@ one request at a time, that both are tested against. No CUDA version: see csrc/k
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+
+@dataclass
+class DraftBatch:
+    """Where each request's block sits: what the paged draft attention needs."""
+
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    context_lens: torch.Tensor  # [B] int32: valid context tokens = anchor position
+    query_start_loc: torch.Tensor  # [B+1] int32: B blocks of block_len queries
 
 
 def _mask(
