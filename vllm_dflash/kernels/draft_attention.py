@@ -113,18 +113,19 @@ def draft_attention_torch(
     rows = _padded_rows(query_start_loc, num_tokens, max_query_len)
     # Layout [Hkv, N, rows, D] throughout: each matmul batches (KV head, request), and the
     # context gathers into it with a single copy.
-    qg = _heads_first(_take(q, rows), num_requests, group)  # [Hkv, N, Lq * group, D]
+    # The scale goes on the queries: fewer values than on the scores.
+    qg = _heads_first(_take(q, rows) * scale, num_requests, group)  # [Hkv, N, Lq * group, D]
     block_k = _heads_first(_take(k, rows), num_requests, 1)  # [Hkv, N, Lq, D]
     block_v = _heads_first(_take(v, rows), num_requests, 1)
     ctx = _context_blocks(kv_cache, block_table, context_lens).float()  # [Hkv, N, S, 2D]
     num_ctx = ctx.shape[2]
     ctx_k, ctx_v = ctx[..., :head_dim], ctx[..., head_dim:]
-    scores = torch.cat([qg @ ctx_k.mT, qg @ block_k.mT], dim=-1) * scale
+    scores = torch.cat([qg @ ctx_k.mT, qg @ block_k.mT], dim=-1)
     scores = scores.view(num_kv_heads, num_requests, max_query_len, group, -1)
     query_lens = None if rows is None else query_start_loc.diff()
     hidden = _hidden_keys(context_lens, num_ctx, query_lens, max_query_len, causal,
                           sliding_window)
-    probs = scores.masked_fill(hidden[None, :, :, None], float("-inf")).softmax(dim=-1)
+    probs = scores.masked_fill_(hidden[None, :, :, None], float("-inf")).softmax(dim=-1)
     probs = probs.flatten(2, 3)
     out = probs[..., :num_ctx] @ ctx_v + probs[..., num_ctx:] @ block_v  # [Hkv, N, Lq*group, D]
     out = out.view(num_kv_heads, num_requests, max_query_len, group, head_dim).permute(1, 2, 0, 3, 4)
