@@ -350,7 +350,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
                   is_graph_capturing: bool = False, slot_mappings: Any = None) -> None:
         """Profile-time run at the largest shapes; writes no cache (pages may not exist yet).
         The first run while vLLM captures its CUDA graphs captures the drafter's."""
-        if is_graph_capturing and self.draft_graphs is None and self.uses_cuda_graphs():
+        if (is_graph_capturing and self.draft_graphs is None and self.uses_cuda_graphs()
+                and not torch.cuda.is_current_stream_capturing()):
             self.capture_draft_graphs()
         cfg = self.dflash_config
         features = self.hidden_states.new_zeros(
