@@ -46,9 +46,10 @@ SWITCH_MARGIN = 0.03
 # drafts short) sees when drafting deeper would pay again. Costs one drafter run and K extra
 # tokens per interval.
 EXPLORE_INTERVAL = 16
-# A batch whose requests have not changed keeps its lengths for this many steps: the statistics
-# behind them move by ~1% in that time, while choosing costs ~0.1-0.3 ms of host time, a few
-# percent of a small step.
+# A choice holds for this many steps, for the same requests, or for any batch when it gave
+# every request one length: the statistics behind it move by ~1% in that time, while choosing
+# costs ~0.1-0.3 ms of host time, a few percent of a small step. Requests joining and leaving
+# (every few steps at C=4) would otherwise force a choice nearly every step.
 REPLAN_INTERVAL = 4
 REPORT_INTERVAL_S = 5.0
 
@@ -93,23 +94,33 @@ class StepCostModel:
         self.stats = [0.0] * 5  # weighted sums of 1, n, r, n*n, n*r (r: the residual)
         self.overhead, self.per_request = 0.0, 0.0
 
-    def profiled(self, tokens: np.ndarray, batch_size: int, drafted: np.ndarray) -> np.ndarray:
+    def profiled(self, tokens: np.ndarray, batch_size: int | np.ndarray,
+                 drafted: np.ndarray) -> np.ndarray:
         p = self.profile
         target = _interp(tokens, p.tokens, p.target_s)
-        drafter = _interp(np.array(batch_size), p.batch_sizes, p.drafter_s)
+        drafter = _interp(np.asarray(batch_size), p.batch_sizes, p.drafter_s)
         return target + np.where(drafted, drafter, 0.0)
 
     def predict(self, tokens: np.ndarray, batch_size: int, drafted: np.ndarray) -> np.ndarray:
         host = self.overhead + self.per_request * batch_size
         return host + self.profiled(tokens, batch_size, drafted)
 
-    def observe(self, tokens: int, batch_size: int, drafted: bool, seconds: float) -> None:
-        x = float(self.profiled(np.array(tokens), batch_size, np.array(drafted)))
-        host = self.overhead + self.per_request * batch_size
+    def observe(self, tokens: np.ndarray, batch_sizes: np.ndarray, drafted: np.ndarray,
+                seconds: np.ndarray) -> None:
+        """Steps measured since the last update, oldest first: one value per step in each
+        array (scalars for one step)."""
+        tokens, batch_sizes, drafted, seconds = map(
+            np.atleast_1d, (tokens, batch_sizes, drafted, seconds))
+        n = batch_sizes.astype(float)
+        x = self.profiled(tokens, n, drafted)
+        host = self.overhead + self.per_request * n
         # A pause (GC, another process) must not swing the fit: clip to 4x the prediction.
-        r = min(seconds, 4.0 * (x + host)) - x
-        n = float(batch_size)
-        self.stats = [COST_DECAY * a + b for a, b in zip(self.stats, (1.0, n, r, n * n, n * r))]
+        r = np.minimum(seconds, 4.0 * (x + host)) - x
+        # The newest step weighs 1, each older one COST_DECAY times less.
+        weights = COST_DECAY ** np.arange(len(n) - 1, -1, -1)
+        new = (weights.sum(), weights @ n, weights @ r, weights @ (n * n), weights @ (n * r))
+        decay = COST_DECAY ** len(n)
+        self.stats = [decay * a + float(b) for a, b in zip(self.stats, new)]
         w, sn, sr, snn, snr = self.stats
         mean_n, mean_r = sn / w, sr / w
         var_n, cov = snn / w - mean_n**2, snr / w - mean_n * mean_r
@@ -181,6 +192,14 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 @dataclass
+class _Choice:
+    batch: tuple[str, ...]  # the request ids it was made for, in order
+    lengths: np.ndarray
+    step: int
+    uniform: bool  # one length for every request
+
+
+@dataclass
 class Plan:
     lengths: list[int]  # draft tokens each request verifies this step, in the order given
     num_draft: int  # draft tokens the drafter proposes at the end of this step (0: skip it)
@@ -195,7 +214,8 @@ class DraftPolicy:
         self.cost = StepCostModel(profile)
         self.drafting = True
         self.steps = 0
-        self.chosen: tuple[tuple[str, ...], np.ndarray, int] | None = None  # ids, lengths, step
+        self.chosen: _Choice | None = None
+        self.pending: list[tuple[list[tuple[str, int, int]], int, int, bool, float]] = []
         self.last_step_end: float | None = None  # None: idle, the next step starts at plan()
         self.step_start = 0.0
         self.report = _Report(self.levels)
@@ -211,11 +231,16 @@ class DraftPolicy:
             self.acceptance.forget_except(req_ids)
         self.steps += 1
         batch = tuple(req_ids)
-        if self.chosen and self.chosen[0] == batch and self.steps - self.chosen[2] < REPLAN_INTERVAL:
-            lengths = self.chosen[1].copy()
+        chosen = self.chosen
+        if chosen and self.steps - chosen.step < REPLAN_INTERVAL and chosen.batch == batch:
+            lengths = chosen.lengths.copy()
+        elif chosen and self.steps - chosen.step < REPLAN_INTERVAL and chosen.uniform:
+            # One length for the whole batch holds for requests that join it, too.
+            lengths = np.full(len(req_ids), chosen.lengths[0])
         else:
             lengths = self.choose(req_ids)
-            self.chosen = (batch, lengths.copy(), self.steps)
+            uniform = bool((lengths == lengths[0]).all())
+            self.chosen = _Choice(batch, lengths.copy(), self.steps, uniform)
         num_draft = int(lengths.max())
         if num_draft < max_draft:
             phase = self.steps % EXPLORE_INTERVAL
@@ -228,6 +253,7 @@ class DraftPolicy:
 
     def choose(self, req_ids: list[str]) -> np.ndarray:
         """[n] draft lengths that maximise predicted tokens per second."""
+        self._absorb()
         n = len(req_ids)
         expected = self.acceptance.expected_accepted(req_ids)[:, self.levels]  # [n, L]
         # One length for the whole batch (what a fixed K is), at every level; level 0 is off.
@@ -273,9 +299,19 @@ class DraftPolicy:
         # Steps follow each other back to back while requests run: the time since the last
         # step ended covers scheduling, the forward pass, sampling, drafting and output.
         start = self.step_start if self.last_step_end is None else self.last_step_end
-        self.cost.observe(num_tokens, batch_size, drafted, now - start)
-        self.acceptance.observe(drafts)
+        self.pending.append((drafts, num_tokens, batch_size, drafted, now - start))
         self.last_step_end = now
+
+    def _absorb(self) -> None:
+        """Feeds the steps observed since the last choice to the models in one update: only
+        a choice reads them, and one vectorised update costs what a single step's did."""
+        if not self.pending:
+            return
+        drafts, tokens, batch_sizes, drafted, seconds = zip(*self.pending)
+        self.pending = []
+        self.cost.observe(np.array(tokens), np.array(batch_sizes), np.array(drafted),
+                          np.array(seconds))
+        self.acceptance.observe([d for step in drafts for d in step])
 
     def idle(self) -> None:
         """No requests left: the gap until the next step is not a step's cost."""
@@ -307,6 +343,7 @@ class _Report:
         now = time.perf_counter()
         if (now - self.since < REPORT_INTERVAL_S and not flush) or self.steps == 0:
             return None
+        policy._absorb()
         total = self.counts.sum()
         mean = float(self.counts @ self.levels) / total
         shares = ", ".join(f"{k}: {c / total:.0%}" for k, c in zip(self.levels, self.counts))
