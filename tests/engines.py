@@ -59,9 +59,11 @@ def plain_llm(target: Path, **kwargs):
     return _llm(target, **kwargs)
 
 
-def dflash_llm(pair: Pair, num_speculative_tokens: int, **kwargs):
+def dflash_llm(pair: Pair, num_speculative_tokens: int, speculative: dict | None = None,
+               **kwargs):
+    """An engine with method "dflash"; speculative: more --speculative-config keys."""
     spec = {"method": "dflash", "model": str(pair.drafter),
-            "num_speculative_tokens": num_speculative_tokens}
+            "num_speculative_tokens": num_speculative_tokens, **(speculative or {})}
     return _llm(pair.target, speculative_config=spec, **kwargs)
 
 

@@ -1,8 +1,10 @@
 """`vllm-dflash bench` on a tiny random pair: it writes bench.json, bench.png and table.md with
 sane numbers (not timings). Each run starts its own engine process, so runs are few."""
 
+import itertools
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -155,3 +157,16 @@ def test_paired_ratios_pair_runs_of_the_same_repeat():
     assert ratios["a", "none"] == {"concurrency": 1, "numerator": "a", "denominator": "none",
                                    "median": 2.0, "min": 2.0, "max": 2.0, "repeats": 3}
     assert ratios["a", "b"]["median"] == 1.25 and ratios["a", "b"]["repeats"] == 2  # failed: out
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_method_order_balances_who_runs_after_whom(n):
+    from vllm_dflash.bench.command import method_order
+
+    methods = [f"m{i}" for i in range(n)]
+    rows = [method_order(methods, r) for r in range(n if n % 2 == 0 else 2 * n)]
+    assert all(sorted(row) == methods for row in rows)
+    firsts = Counter(row[0] for row in rows)
+    follows = Counter(pair for row in rows for pair in itertools.pairwise(row))
+    assert len(set(firsts.values())) == 1 and len(firsts) == n
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1

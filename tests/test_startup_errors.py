@@ -73,3 +73,29 @@ def test_too_many_speculative_tokens_fails_startup(pair, k):
         dflash_llm(pair, k)
     text = error_text(excinfo)
     assert "num_speculative_tokens" in text and str(k) in text and "7" in text, text
+
+
+def test_probabilistic_drafts_fail_startup(pair):
+    with pytest.raises(Exception) as excinfo:
+        dflash_llm(pair, 3, speculative={"draft_sample_method": "probabilistic"})
+    text = error_text(excinfo)
+    assert "draft_sample_method='probabilistic'" in text and "remove draft_sample_method" in text
+
+
+def test_model_runner_v2_is_refused(monkeypatch):
+    from vllm_dflash.plugin import DFlashSetupError, require_v1_runner
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(DFlashSetupError, match="VLLM_USE_V2_MODEL_RUNNER=1 selects"):
+        require_v1_runner()
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    require_v1_runner()
+
+
+def test_other_vllm_versions_are_refused():
+    from vllm_dflash.plugin import DFlashSetupError, check_vllm_version
+
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.32.0+cpu")
+    with pytest.raises(DFlashSetupError, match="supports vLLM 0.32.0, found vLLM 0.31.1"):
+        check_vllm_version("0.31.1")

@@ -93,14 +93,12 @@ def run(args: argparse.Namespace) -> None:
 def run_all(base: dict, prompts: list[str], concurrencies: list[int], methods: list[str],
             out: Path, repeats: int = 1) -> list[dict]:
     """Concurrency-major, then repeat, then method: methods alternate, so load drift hits
-    them all, and each repeat starts one method later, so no method always follows the same
-    one (a run can slow the next, through caches and the machine's other jobs)."""
+    them all, in the order `method_order` gives each repeat."""
     bar = progress_bar(total=len(concurrencies) * repeats * len(methods), desc="bench")
     results = []
     for concurrency in concurrencies:
         for repeat in range(repeats):
-            shift = repeat % len(methods)
-            for method in methods[shift:] + methods[:shift]:
+            for method in method_order(methods, repeat):
                 bar.set_postfix_str(f"{method} C={concurrency} #{repeat + 1}")
                 spec = RunSpec(method=method, concurrency=concurrency,
                                prompts=requests_for(prompts, concurrency), **base)
@@ -108,6 +106,21 @@ def run_all(base: dict, prompts: list[str], concurrencies: list[int], methods: l
                 bar.update()
     bar.close()
     return results
+
+
+def method_order(methods: list[str], repeat: int) -> list[str]:
+    """The order of the methods in a repeat: row `repeat` of a Williams design. A run can
+    slow down or speed up the next one (caches, the memory the last process gave back, the
+    machine's other jobs); over len(methods) repeats (twice that for an odd count) every
+    method runs first once and right after every other method once, so no method always
+    follows the same one. (Shifting one order round does not do that: it keeps the
+    neighbours.)"""
+    n = len(methods)
+    base = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]
+    rows = [[(b + i) % n for b in base] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [methods[i] for i in rows[repeat % len(rows)]]
 
 
 def gpu_name() -> str | None:
