@@ -43,12 +43,11 @@ class DraftGraphs:
 
     def capture(self) -> None:
         """Largest first, all in one memory pool: a smaller graph reuses the larger's memory."""
+        if not self.use_cuda_graph:
+            return
         pool = None
         for size in reversed(self.sizes):
             inputs = self.static_inputs(size)
-            if not self.use_cuda_graph:
-                self.step(*inputs)
-                continue
             # Warm-up outside the graph, on a side stream as torch.cuda.graph asks: Triton
             # compiles, cuBLAS sets up its workspace.
             side = torch.cuda.Stream()

@@ -320,7 +320,10 @@ class DraftPolicy:
     def summary(self, flush: bool = False) -> str | None:
         """A one-line account of recent decisions, at most every REPORT_INTERVAL_S unless
         flush (the engine went idle: the account of a burst shorter than the interval)."""
-        return self.report.take(self, flush)
+        if not self.report.due(flush):
+            return None
+        self._absorb()
+        return self.report.take(self)
 
 
 class _Report:
@@ -339,11 +342,11 @@ class _Report:
         self.steps += 1
         self.drafting_steps += drafting
 
-    def take(self, policy: DraftPolicy, flush: bool) -> str | None:
-        now = time.perf_counter()
-        if (now - self.since < REPORT_INTERVAL_S and not flush) or self.steps == 0:
-            return None
-        policy._absorb()
+    def due(self, flush: bool) -> bool:
+        interval_over = time.perf_counter() - self.since >= REPORT_INTERVAL_S
+        return self.steps > 0 and (interval_over or flush)
+
+    def take(self, policy: DraftPolicy) -> str:
         total = self.counts.sum()
         mean = float(self.counts @ self.levels) / total
         shares = ", ".join(f"{k}: {c / total:.0%}" for k, c in zip(self.levels, self.counts))

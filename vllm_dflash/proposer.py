@@ -233,6 +233,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
             dtype=torch.int32, device=self.device,
         )
         self.block_offsets = torch.arange(self.block_len, dtype=torch.int32, device=self.device)
+        # query_start_loc of any batch: request r's block starts at r * block_len.
+        self.block_starts = self.arange[: self.max_batch_size + 1] * self.block_len
         forward_context = self.vllm_config.compilation_config.static_forward_context
         for name in self.kv_layer_names:
             if name in forward_context:
@@ -287,7 +289,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         batch = DraftBatch(
             block_table=cad.block_table_tensor,
             context_lens=context_lens.to(torch.int32),
-            query_start_loc=self.arange[: cad.batch_size() + 1] * self.block_len,
+            query_start_loc=self.block_starts[: cad.batch_size() + 1],
         )
         return self.draft_tokens(next_token_ids, batch, num_speculative_tokens)
 
@@ -401,7 +403,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         batch = DraftBatch(
             block_table=torch.zeros(num_reqs, 1, dtype=torch.int32, device=self.device),
             context_lens=torch.zeros(num_reqs, dtype=torch.int32, device=self.device),
-            query_start_loc=self.arange[: num_reqs + 1] * self.block_len,
+            query_start_loc=self.block_starts[: num_reqs + 1],
         )
         return torch.zeros(num_reqs, dtype=torch.int32, device=self.device), batch
 
