@@ -114,12 +114,10 @@ def drafter_config(args: argparse.Namespace) -> DFlashConfig:
 
 @dataclass
 class PagedBatch:
-    """One draft block per request over a paged context, as the proposer's DraftBatch."""
+    """One draft block per request over a paged context."""
 
     caches: list[torch.Tensor]  # per layer [num_blocks, Hkv, cache_block, 2D] (strided view)
-    block_table: torch.Tensor  # [B, blocks per request] int32, shuffled
-    context_lens: torch.Tensor  # [B] int32
-    query_start_loc: torch.Tensor  # [B+1] int32
+    draft: DraftBatch  # block table shuffled, contexts of args.context tokens
     anchors: torch.Tensor  # [B] int32
 
 
@@ -137,9 +135,11 @@ def paged_batch(args: argparse.Namespace, batch: int, device: torch.device) -> P
     b = args.draft_block_size
     return PagedBatch(
         caches=caches,
-        block_table=block_table.int(),
-        context_lens=torch.full((batch,), args.context, dtype=torch.int32, device=device),
-        query_start_loc=torch.arange(0, batch * b + 1, b, dtype=torch.int32, device=device),
+        draft=DraftBatch(
+            block_table=block_table.int(),
+            context_lens=torch.full((batch,), args.context, dtype=torch.int32, device=device),
+            query_start_loc=torch.arange(0, batch * b + 1, b, dtype=torch.int32, device=device),
+        ),
         anchors=torch.randint(2, args.vocab, (batch,), dtype=torch.int32, device=device),
     )
 
@@ -149,7 +149,7 @@ def bench_kv_injection(args: argparse.Namespace, drafter: DFlashDrafter, paged: 
     device, batch, n = paged.anchors.device, paged.anchors.shape[0], args.new_tokens
     positions = (args.context + torch.arange(n, device=device)).repeat(batch)
     requests = torch.arange(batch, device=device).repeat_interleave(n)
-    blocks = paged.block_table[requests, positions // args.cache_block_size].long()
+    blocks = paged.draft.block_table[requests, positions // args.cache_block_size].long()
     slot_mapping = blocks * args.cache_block_size + positions % args.cache_block_size
     features = torch.randn(batch * n, args.features * args.hidden, dtype=args.dtype,
                            device=device)
@@ -177,7 +177,8 @@ def bench_draft_attention(args: argparse.Namespace, paged: PagedBatch, rows: lis
         torch.randn(tokens, args.heads, args.head_dim, dtype=args.dtype, device=device),
         torch.randn(tokens, args.kv_heads, args.head_dim, dtype=args.dtype, device=device),
         torch.randn(tokens, args.kv_heads, args.head_dim, dtype=args.dtype, device=device),
-        paged.caches[0], paged.block_table, paged.context_lens, paged.query_start_loc,
+        paged.caches[0], paged.draft.block_table, paged.draft.context_lens,
+        paged.draft.query_start_loc,
         args.head_dim**-0.5, args.causal, args.sliding_window,
     )
     paths = {"reference": draft_attention_reference,
@@ -251,7 +252,7 @@ def bench_drafter_step(args: argparse.Namespace, drafter: DFlashDrafter,
     paths = {"torch": draft_attention_torch}
     if device.type == "cuda":
         paths["triton"] = draft_attention_triton
-    draft_batch = DraftBatch(paged.block_table, paged.context_lens, paged.query_start_loc)
+    draft_batch = paged.draft
     eager_ms = {}
     for name, attention in paths.items():
         def step(attention=attention) -> torch.Tensor:
@@ -269,7 +270,7 @@ def bench_drafter_step(args: argparse.Namespace, drafter: DFlashDrafter,
                           draft_attention_triton)
 
     # The proposer's graphs: inputs copied into static buffers, replay, output copied out.
-    graphs = DraftGraphs(triton_step, [batch], paged.block_table.shape[1],
+    graphs = DraftGraphs(triton_step, [batch], draft_batch.block_table.shape[1],
                          args.draft_block_size, device)
     graphs.capture()
     equal = True
