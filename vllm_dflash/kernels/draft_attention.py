@@ -111,24 +111,22 @@ def draft_attention_torch(
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     group = q.shape[1] // num_kv_heads
     rows = _padded_rows(query_start_loc, num_tokens, max_query_len)
-    # Layout [Hkv, N, rows, D] throughout: each matmul batches (KV head, request), and the
-    # context gathers into it with a single copy.
     # The scale goes on the queries: fewer values than on the scores.
-    qg = _heads_first(_take(q, rows) * scale, num_requests, group)  # [Hkv, N, Lq * group, D]
-    block_k = _heads_first(_take(k, rows), num_requests, 1)  # [Hkv, N, Lq, D]
-    block_v = _heads_first(_take(v, rows), num_requests, 1)
-    ctx = _context_blocks(kv_cache, block_table, context_lens).float()  # [Hkv, N, S, 2D]
+    qg = _heads_second(_take(q, rows) * scale, num_requests, group)  # [N, Hkv, Lq * group, D]
+    block_k = _heads_second(_take(k, rows), num_requests, 1)  # [N, Hkv, Lq, D]
+    block_v = _heads_second(_take(v, rows), num_requests, 1)
+    ctx = _context_blocks(kv_cache, block_table, context_lens).float()  # [N, Hkv, S, 2D]
     num_ctx = ctx.shape[2]
     ctx_k, ctx_v = ctx[..., :head_dim], ctx[..., head_dim:]
     scores = torch.cat([qg @ ctx_k.mT, qg @ block_k.mT], dim=-1)
-    scores = scores.view(num_kv_heads, num_requests, max_query_len, group, -1)
+    scores = scores.view(num_requests, num_kv_heads, max_query_len, group, -1)
     query_lens = None if rows is None else query_start_loc.diff()
     hidden = _hidden_keys(context_lens, num_ctx, query_lens, max_query_len, causal,
                           sliding_window)
-    probs = scores.masked_fill_(hidden[None, :, :, None], float("-inf")).softmax(dim=-1)
+    probs = scores.masked_fill_(hidden[:, None, :, None], float("-inf")).softmax(dim=-1)
     probs = probs.flatten(2, 3)
-    out = probs[..., :num_ctx] @ ctx_v + probs[..., num_ctx:] @ block_v  # [Hkv, N, Lq*group, D]
-    out = out.view(num_kv_heads, num_requests, max_query_len, group, head_dim).permute(1, 2, 0, 3, 4)
+    out = probs[..., :num_ctx] @ ctx_v + probs[..., num_ctx:] @ block_v  # [N, Hkv, Lq*group, D]
+    out = out.view(num_requests, num_kv_heads, max_query_len, group, head_dim).transpose(1, 2)
     out = out.reshape(-1, *q.shape[1:]).to(q.dtype)
     if rows is None:
         return out
@@ -155,30 +153,29 @@ def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return (x if rows is None else x[rows.clamp(min=0)]).float()
 
 
-def _heads_first(x: torch.Tensor, num_requests: int, group: int) -> torch.Tensor:
-    """[N * Lq, Hkv * group, D] -> [Hkv, N, Lq * group, D], row = query * group + head in group:
-    the layout of `_context_blocks`, so each matmul batches (KV head, request) without copies."""
+def _heads_second(x: torch.Tensor, num_requests: int, group: int) -> torch.Tensor:
+    """[N * Lq, Hkv * group, D] -> [N, Hkv, Lq * group, D], row = query * group + head in group:
+    the layout of `_context_blocks`, so each matmul batches (request, KV head) without copies."""
     num_kv_heads, head_dim = x.shape[1] // group, x.shape[2]
-    x = x.view(num_requests, -1, num_kv_heads, group, head_dim).permute(2, 0, 1, 3, 4)
-    return x.reshape(num_kv_heads, num_requests, -1, head_dim)
+    x = x.view(num_requests, -1, num_kv_heads, group, head_dim).transpose(1, 2)
+    return x.reshape(num_requests, num_kv_heads, -1, head_dim)
 
 
 def _context_blocks(
     kv_cache: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor
 ) -> torch.Tensor:
-    """[Hkv, N, S, 2D]: the first S slots of every request, S = the longest context rounded up
-    to whole blocks; one gather of whole blocks, straight into that layout.
+    """[N, Hkv, S, 2D]: the first S slots of every request, S = the longest context rounded up
+    to whole blocks; one index_select of whole blocks (copied again only when S > one block).
 
     Slots past a request's context hold its stale slots or other requests' K/V: finite values
     (vLLM zero-fills the cache and only writes K/V to it) that the mask gives probability 0.
     """
     num_kv_heads, block_size, width = kv_cache.shape[1:]
     num_blocks = -(-int(context_lens.max()) // block_size)
-    # Indexing, not index_select: index_select on a non-leading dim of this view copies the
-    # whole cache first.
-    heads_first = kv_cache.transpose(0, 1)  # [Hkv, num_blocks, block_size, 2D], a view
-    blocks = heads_first[:, block_table[:, :num_blocks].flatten()]
-    return blocks.reshape(num_kv_heads, context_lens.shape[0], num_blocks * block_size, width)
+    blocks = kv_cache.index_select(0, block_table[:, :num_blocks].flatten())
+    num_requests = context_lens.shape[0]
+    blocks = blocks.view(num_requests, num_blocks, num_kv_heads, block_size, width).transpose(1, 2)
+    return blocks.reshape(num_requests, num_kv_heads, num_blocks * block_size, width)
 
 
 def _hidden_keys(
