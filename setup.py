@@ -1,9 +1,13 @@
-"""Build script: the optional CUDA kernels (csrc/) as the extension `vllm_dflash._C`.
+"""Build script: the compiled kernels of csrc/ (package metadata lives in pyproject.toml).
 
-Package metadata lives in pyproject.toml. The extension is built when nvcc is found and torch is
-a CUDA build; otherwise the install is pure Python (Triton / torch paths). torch must be
-importable at build time for the extension (`pip install --no-build-isolation .`).
-VLLM_DFLASH_BUILD_CUDA=0 never builds it; =1 makes a missing requirement an error.
+- `vllm_dflash._C_cpu`, the CPU kernels (csrc/cpu/): built whenever torch is importable at build
+  time (`pip install --no-build-isolation .`) and a C++ compiler works. They are compiled for the
+  build machine's CPU (-march=native); set VLLM_DFLASH_CPU_MARCH (e.g. x86-64-v3) to build a
+  binary for other machines. VLLM_DFLASH_BUILD_CPU=0 never builds them; =1 makes a failure an
+  error.
+- `vllm_dflash._C`, the CUDA kernels: built when nvcc is found and torch is a CUDA build.
+  VLLM_DFLASH_BUILD_CUDA=0 never builds them; =1 makes a missing requirement an error.
+Without an extension the Triton / torch paths are used.
 """
 
 import importlib.util
@@ -14,10 +18,25 @@ import sys
 from setuptools import setup
 
 
-def _cuda_skip_reason() -> str | None:
-    """None when the CUDA extension can be built, else why not."""
+def _torch_skip_reason() -> str | None:
     if importlib.util.find_spec("torch") is None:
         return "torch is not importable at build time (use pip install --no-build-isolation)"
+    return None
+
+
+def _cpu_skip_reason() -> str | None:
+    """None when the CPU extension can be built, else why not."""
+    reason = _torch_skip_reason()
+    if reason is None and shutil.which(os.environ.get("CXX", "c++")) is None:
+        reason = "no C++ compiler (install g++ or set CXX)"
+    return reason
+
+
+def _cuda_skip_reason() -> str | None:
+    """None when the CUDA extension can be built, else why not."""
+    reason = _torch_skip_reason()
+    if reason is not None:
+        return reason
     import torch
     from torch.utils.cpp_extension import CUDA_HOME
 
@@ -29,24 +48,45 @@ def _cuda_skip_reason() -> str | None:
     return None
 
 
-def _build_kwargs() -> dict:
-    flag = os.environ.get("VLLM_DFLASH_BUILD_CUDA", "").strip()
-    reason = "VLLM_DFLASH_BUILD_CUDA=0" if flag == "0" else _cuda_skip_reason()
-    if reason is not None:
-        if flag == "1":
-            sys.exit(f"vllm-dflash: VLLM_DFLASH_BUILD_CUDA=1 but cannot build CUDA kernels: "
-                     f"{reason}")
-        print(f"vllm-dflash: skipping CUDA kernels: {reason}; Triton/torch paths will be used")
-        return {}
-    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+def _wanted(kind: str, flag_name: str, skip_reason: str | None) -> bool:
+    """Whether to build the `kind` extension; a refusal is printed, or fatal under flag=1."""
+    flag = os.environ.get(flag_name, "").strip()
+    reason = f"{flag_name}=0" if flag == "0" else skip_reason
+    if reason is None:
+        return True
+    if flag == "1":
+        sys.exit(f"vllm-dflash: {flag_name}=1 but cannot build the {kind} kernels: {reason}")
+    print(f"vllm-dflash: skipping the {kind} kernels: {reason}; Triton/torch paths will be used")
+    return False
 
-    extension = CUDAExtension(
-        name="vllm_dflash._C",
-        sources=["csrc/torch_bindings.cpp", "csrc/kv_injection.cu"],
-        depends=["csrc/kv_injection.h"],
-        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
-    )
-    return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}
+
+def _build_kwargs() -> dict:
+    extensions = []
+    if _wanted("CPU", "VLLM_DFLASH_BUILD_CPU", _cpu_skip_reason()):
+        from torch.utils.cpp_extension import CppExtension
+
+        march = os.environ.get("VLLM_DFLASH_CPU_MARCH", "native")
+        extensions.append(CppExtension(
+            name="vllm_dflash._C_cpu",
+            sources=["csrc/cpu/draft_attention.cpp"],
+            # -fopenmp: ATen's parallel_for runs its loop in OpenMP threads only when compiled so.
+            extra_compile_args=["-O3", f"-march={march}", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
+        ))
+    if _wanted("CUDA", "VLLM_DFLASH_BUILD_CUDA", _cuda_skip_reason()):
+        from torch.utils.cpp_extension import CUDAExtension
+
+        extensions.append(CUDAExtension(
+            name="vllm_dflash._C",
+            sources=["csrc/torch_bindings.cpp", "csrc/kv_injection.cu"],
+            depends=["csrc/kv_injection.h"],
+            extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
+        ))
+    if not extensions:
+        return {}
+    from torch.utils.cpp_extension import BuildExtension
+
+    return {"ext_modules": extensions, "cmdclass": {"build_ext": BuildExtension}}
 
 
 setup(**_build_kwargs())

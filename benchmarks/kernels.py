@@ -41,7 +41,7 @@ from torch.nn import functional as F
 
 from vllm_dflash.config import DFlashConfig
 from vllm_dflash.draft_graphs import DraftGraphs
-from vllm_dflash.kernels import _cuda
+from vllm_dflash.kernels import _compiled
 from vllm_dflash.kernels.draft_attention import (
     DraftBatch,
     draft_attention_reference,
@@ -158,7 +158,7 @@ def bench_kv_injection(args: argparse.Namespace, drafter: DFlashDrafter, paged: 
     paths = {"reference": kv_injection_reference, "torch": kv_injection_torch}
     if device.type == "cuda":
         paths["triton"] = kv_injection_triton
-        if _cuda.available():
+        if _compiled.cuda_available():
             paths["cuda"] = kv_injection  # the dispatcher picks the compiled op
 
     for name, inject in paths.items():
@@ -337,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
           f"context {args.context}, draft block {args.draft_block_size}, "
           f"cache block {args.cache_block_size}"
           + ("" if device.type == "cuda" else f", {torch.get_num_threads()} threads"))
-    if device.type == "cuda" and not _cuda.available():
-        print(f"CUDA extension not available ({_cuda.import_error}): no cuda path")
+    if device.type == "cuda" and not _compiled.cuda_available():
+        print(f"CUDA extension not available ({_compiled.cuda_import_error}): no cuda path")
     drafter = random_drafter(drafter_config(args), device=device, dtype=args.dtype).eval()
     # The target's embedding and lm_head, which the drafter shares.
     weights = tuple(0.02 * torch.randn(args.vocab, args.hidden, dtype=args.dtype, device=device)

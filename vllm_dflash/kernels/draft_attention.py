@@ -11,9 +11,11 @@ Masks: non-causal without window: every key of the request (context and whole bl
 causal: key_pos <= query_pos. sliding window w: causal -> query_pos - key_pos < w,
 non-causal -> |query_pos - key_pos| < w.
 
-Three paths: a flash-style Triton kernel (online softmax, fp32 accumulation, GQA heads packed into
-the query tile); the torch fallback used on CPU, every request at once; the pure-torch reference,
-one request at a time, that both are tested against. No CUDA version: see csrc/kv_injection.cu.
+Four paths: a flash-style Triton kernel (online softmax, fp32 accumulation, GQA heads packed into
+the query tile) on CUDA; a C++ kernel on CPU (csrc/cpu/draft_attention.cpp) that reads the pages
+in place; the torch fallback, every request at once, where that kernel is not built; the
+pure-torch reference, one request at a time, that all three are tested against. No CUDA version:
+see csrc/kv_injection.cu.
 """
 
 import math
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from vllm_dflash.kernels import _compiled
 
 
 @dataclass
@@ -383,6 +387,13 @@ def draft_attention_triton(
     return out
 
 
+def draft_attention_path(device: torch.device) -> str:
+    """The path `draft_attention` takes on `device` (for the start-up log)."""
+    if device.type == "cuda":
+        return "triton"
+    return "c++" if _compiled.cpu_available() else "torch"
+
+
 def draft_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -396,9 +407,13 @@ def draft_attention(
     sliding_window: int | None,
     max_query_len: int | None = None,
 ) -> torch.Tensor:
-    """Dispatch: Triton on CUDA, else the torch fallback (CPU). max_query_len: see Triton."""
+    """Dispatch: Triton on CUDA; on CPU the C++ kernel where it is built and the last dims are
+    contiguous (vLLM's caches and the drafter's q/k/v views are), else the torch fallback.
+    max_query_len: see Triton."""
     args = (q, k, v, kv_cache, block_table, context_lens, query_start_loc, scale, causal,
             sliding_window)
     if q.is_cuda:
         return draft_attention_triton(*args, max_query_len=max_query_len)
+    if _compiled.cpu_available() and all(t.stride(-1) == 1 for t in (q, k, v, kv_cache)):
+        return _compiled.draft_attention(*args)
     return draft_attention_torch(*args, max_query_len=max_query_len)

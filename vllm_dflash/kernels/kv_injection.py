@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_dflash.kernels import _cuda
+from vllm_dflash.kernels import _compiled
 from vllm_dflash.layers import apply_rope, rms_norm
 
 
@@ -237,9 +237,9 @@ def kv_injection(
     args = (ctx, positions, slot_mapping, kv_weight, k_norm_weight, eps, cos_sin_cache, kv_caches)
     if not ctx.is_cuda:
         kv_injection_torch(*args)
-    elif _cuda.available():
+    elif _compiled.cuda_available():
         num_layers = _check_shapes(ctx, kv_weight, k_norm_weight, kv_caches)[0]
-        _cuda.kv_injection_write(
+        _compiled.kv_injection_write(
             _project(ctx, kv_weight, num_layers), positions, slot_mapping,
             k_norm_weight, eps, cos_sin_cache, kv_caches,
         )
