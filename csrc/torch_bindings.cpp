@@ -2,8 +2,6 @@
 // Importing vllm_dflash._C (built by setup.py) loads them.
 #include <vector>
 
-#include <Python.h>
-
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -11,6 +9,7 @@
 #include <torch/library.h>
 
 #include "kv_injection.h"
+#include "kv_injection_args.h"
 
 namespace vllm_dflash {
 
@@ -18,42 +17,10 @@ void kv_injection_write(const at::Tensor& kv, const at::Tensor& positions,
                         const at::Tensor& slot_mapping, const at::Tensor& k_norm_weight,
                         double eps, const at::Tensor& cos_sin_cache,
                         const std::vector<at::Tensor>& kv_caches) {
-  KvInjectionParams p;
-  p.num_tokens = kv.size(0);
-  p.num_layers = static_cast<int>(kv_caches.size());
-  TORCH_CHECK(p.num_layers >= 1 && p.num_layers <= kMaxLayers, "1..", kMaxLayers, " layers");
-  p.num_kv_heads = static_cast<int>(kv_caches[0].size(1));
-  p.block_size = static_cast<int>(kv_caches[0].size(2));
-  p.head_dim = static_cast<int>(k_norm_weight.size(1));
-  TORCH_CHECK(kv.is_cuda() && kv.is_contiguous() && kv.dim() == 4 &&
-                  kv.size(1) == p.num_layers && kv.size(2) == 2 &&
-                  kv.size(3) == p.num_kv_heads * p.head_dim && p.head_dim % 2 == 0,
-              "kv must be a contiguous CUDA [T, L, 2, Hkv*D] tensor, D even");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
-                  positions.is_contiguous() && slot_mapping.is_contiguous(),
-              "positions and slot_mapping must be contiguous int64");
-  TORCH_CHECK(k_norm_weight.is_contiguous() && k_norm_weight.scalar_type() == kv.scalar_type() &&
-                  k_norm_weight.size(0) == p.num_layers,
-              "k_norm_weight must be a contiguous [L, D] tensor with kv's dtype");
-  TORCH_CHECK(cos_sin_cache.is_contiguous() && cos_sin_cache.scalar_type() == at::kFloat &&
-                  cos_sin_cache.size(1) == p.head_dim,
-              "cos_sin_cache must be a contiguous fp32 [max_pos, D] tensor");
-  for (int l = 0; l < p.num_layers; ++l) {
-    const at::Tensor& cache = kv_caches[l];
-    TORCH_CHECK(cache.dim() == 4 && cache.size(1) == p.num_kv_heads &&
-                    cache.size(2) == p.block_size && cache.size(3) == 2 * p.head_dim &&
-                    cache.scalar_type() == kv.scalar_type() && cache.device() == kv.device(),
-                "kv cache ", l, " must be [num_blocks, Hkv, block_size, 2*D] with kv's dtype");
-    p.cache[l] = cache.data_ptr();
-    for (int d = 0; d < 4; ++d) p.cache_stride[l][d] = cache.stride(d);
-  }
+  TORCH_CHECK(kv.is_cuda(), "kv must be a CUDA tensor");
+  const KvInjectionParams p = kv_injection_params(kv, positions, slot_mapping, k_norm_weight,
+                                                  eps, cos_sin_cache, kv_caches);
   if (p.num_tokens == 0) return;
-  p.kv = kv.data_ptr();
-  p.positions = positions.data_ptr<int64_t>();
-  p.slot_mapping = slot_mapping.data_ptr<int64_t>();
-  p.k_norm_weight = k_norm_weight.data_ptr();
-  p.cos_sin_cache = cos_sin_cache.data_ptr<float>();
-  p.eps = static_cast<float>(eps);
 
   const c10::cuda::CUDAGuard guard(kv.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -74,11 +41,4 @@ TORCH_LIBRARY_IMPL(vllm_dflash, CUDA, m) {
   m.impl("kv_injection_write", &vllm_dflash::kv_injection_write);
 }
 
-// A plain Python module so that `import vllm_dflash._C` loads the library (and the registrations
-// above); it has no Python-level functions.
-#define VLLM_DFLASH_CONCAT(a, b) a##b
-#define VLLM_DFLASH_PYINIT(name) VLLM_DFLASH_CONCAT(PyInit_, name)
-PyMODINIT_FUNC VLLM_DFLASH_PYINIT(TORCH_EXTENSION_NAME)() {
-  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, 0, nullptr};
-  return PyModule_Create(&module);
-}
+#include "python_module.h"  // PyInit__C

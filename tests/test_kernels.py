@@ -12,6 +12,7 @@ Batches are ragged (different query and context lengths, empty contexts), block 
 shuffled and the caches are strided views, as vLLM builds them.
 """
 
+import glob
 import json
 import math
 import os
@@ -289,12 +290,16 @@ def test_kv_injection_torch_equals_reference(dtype: torch.dtype, padding: str) -
 
 
 def test_dispatch_on_cpu() -> None:
-    """KV injection: the torch fallback. Draft attention: the C++ kernel, and the torch fallback
-    for a cache whose last dim is strided (the kernel reads rows in place)."""
+    """The compiled CPU ops where they apply; the torch fallback for a cache whose last dim is
+    strided (draft attention reads rows in place)."""
     args = injection_batch(6, 24, 2, 2, 16, torch.float32, ["permuted"])
     expected = with_cache_copies(args)
     kv_injection(**args)
-    kv_injection_reference(**expected)
+    num_layers = len(args["kv_caches"])
+    _compiled.kv_injection_write(
+        (expected["ctx"] @ expected["kv_weight"].t()).view(6, num_layers, 2, -1),
+        *(expected[name] for name in ("positions", "slot_mapping", "k_norm_weight", "eps",
+                                      "cos_sin_cache", "kv_caches")))
     for got, want in zip(args["kv_caches"], expected["kv_caches"]):
         assert torch.equal(got, want)
     flags = {"scale": 0.25, "causal": True, "sliding_window": None}
@@ -343,7 +348,27 @@ def test_draft_attention_cpu_kernel_dtypes_and_layouts(dtype: torch.dtype, layou
     torch.testing.assert_close(got[:18], expected, **tolerance)
 
 
-def test_draft_attention_cpu_kernel_rejects_bad_inputs() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padding", ["some", "none", "all"])
+def test_kv_injection_cpu_kernel_matches_reference(dtype: torch.dtype, padding: str) -> None:
+    """A different cache layout per layer (a strided last dim included), padding slots or none
+    or only, odd head counts."""
+    layouts = ["permuted", "padded", "strided_dim", "contiguous"]
+    for num_kv_heads, head_dim in ((2, 16), (3, 48)):
+        args = injection_batch(11, 40, 4, num_kv_heads, head_dim, dtype, layouts)
+        if padding == "none":
+            keep = args["slot_mapping"] >= 0
+            args |= {name: args[name][keep] for name in ("ctx", "positions", "slot_mapping")}
+        elif padding == "all":
+            args["slot_mapping"][:] = -1
+        expected = with_cache_copies(args)
+        kv_injection(**args)  # the dispatcher: the compiled op (test_dispatch_on_cpu)
+        kv_injection_reference(**expected)
+        for got, want in zip(args["kv_caches"], expected["kv_caches"]):
+            torch.testing.assert_close(got, want, **TOLERANCES[dtype])
+
+
+def test_cpu_kernels_reject_bad_inputs() -> None:
     args = attention_batch([3, 8], [2, 5], 4, 2, 16, torch.float32, "strided_dim")
     flags = {"scale": 0.25, "causal": True, "sliding_window": None}
     with pytest.raises(RuntimeError, match="last dim .* must be contiguous"):
@@ -352,6 +377,12 @@ def test_draft_attention_cpu_kernel_rejects_bad_inputs() -> None:
     with pytest.raises(RuntimeError, match="int32"):
         _compiled.draft_attention(**{**args, "context_lens": args["context_lens"].long()},
                                   **flags)
+    args = injection_batch(6, 24, 2, 2, 16, torch.float32, ["permuted"])
+    kv = torch.zeros(6, 2, 2, 32)
+    with pytest.raises(RuntimeError, match="positions and slot_mapping must be contiguous int64"):
+        _compiled.kv_injection_write(kv, args["positions"].int(), args["slot_mapping"],
+                                     args["k_norm_weight"], EPS, args["cos_sin_cache"],
+                                     args["kv_caches"])
 
 
 # ---------------------------------------------------------------------------- Triton (interpreted)
@@ -480,12 +511,13 @@ def test_triton_kernels_compile_for_sm90() -> None:
 
 # ---------------------------------------------------------------------------- CUDA sources
 
-NVCC = shutil.which("nvcc")
+# nvcc on PATH, or in a CUDA toolkit installed where NVIDIA's packages put it.
+NVCC = shutil.which("nvcc") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/nvcc"))), None)
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH: the CUDA sources cannot be "
-                    "compiled on this machine (scripts/gpu_check.sh builds them on a GPU one); the "
-                    "CPU path does not use them")
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found (PATH, /usr/local/cuda*/bin): the CUDA "
+                    "sources cannot be compiled on this machine (scripts/gpu_check.sh builds them "
+                    "on a GPU one); the CPU path does not use them")
 def test_cuda_sources_compile(tmp_path: Path) -> None:
     from torch.utils.cpp_extension import include_paths
 

@@ -1,4 +1,4 @@
-// CPU draft attention: torch.ops.vllm_dflash.draft_attention, the contract of
+// CPU draft attention: torch.ops.vllm_dflash_cpu.draft_attention, the contract of
 // vllm_dflash/kernels/draft_attention.py:draft_attention_reference (its test oracle).
 //
 // The torch fallback gathers every request's context out of the paged cache and runs ~50 ops a
@@ -18,7 +18,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
-#include <torch/library.h>
+
+#include "ops.h"
 
 namespace vllm_dflash {
 namespace {
@@ -270,24 +271,3 @@ at::Tensor draft_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 }
 
 }  // namespace vllm_dflash
-
-TORCH_LIBRARY_FRAGMENT(vllm_dflash, m) {
-  m.def(
-      "draft_attention(Tensor q, Tensor k, Tensor v, Tensor kv_cache, Tensor block_table, "
-      "Tensor context_lens, Tensor query_start_loc, float scale, bool causal, "
-      "int sliding_window) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(vllm_dflash, CPU, m) {
-  m.impl("draft_attention", &vllm_dflash::draft_attention);
-}
-
-// A plain Python module so that `import vllm_dflash._C_cpu` loads the library (and the
-// registrations above); it has no Python-level functions.
-#include <Python.h>
-#define VLLM_DFLASH_CONCAT(a, b) a##b
-#define VLLM_DFLASH_PYINIT(name) VLLM_DFLASH_CONCAT(PyInit_, name)
-PyMODINIT_FUNC VLLM_DFLASH_PYINIT(TORCH_EXTENSION_NAME)() {
-  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C_cpu", nullptr, 0, nullptr};
-  return PyModule_Create(&module);
-}

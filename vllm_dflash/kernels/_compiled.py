@@ -1,10 +1,11 @@
 """The compiled extensions that setup.py builds from csrc/; importing one registers its
 `torch.ops.vllm_dflash.*` ops.
 
-- `vllm_dflash._C_cpu`: the CPU draft attention (csrc/cpu/), built wherever torch and a C++
-  compiler are present at install time (`pip install --no-build-isolation`).
-- `vllm_dflash._C`: the CUDA KV-injection kernel (csrc/*.cu), built where nvcc and a CUDA build
-  of torch are.
+- `vllm_dflash._C_cpu` (`torch.ops.vllm_dflash_cpu`): CPU draft attention and KV injection
+  (csrc/cpu/), built wherever torch and a C++ compiler are present at install time
+  (`pip install --no-build-isolation`).
+- `vllm_dflash._C` (`torch.ops.vllm_dflash`): the CUDA KV-injection kernel (csrc/*.cu), built
+  where nvcc and a CUDA build of torch are.
 A missing extension leaves the Triton / torch paths in use.
 """
 
@@ -46,8 +47,10 @@ def kv_injection_write(
     cos_sin_cache: torch.Tensor,
     kv_caches: Sequence[torch.Tensor],
 ) -> None:
-    """CUDA: k_norm + RoPE + paged write of kv [T, L, 2, Hkv*D] (the fused k/v GEMM output)."""
-    torch.ops.vllm_dflash.kv_injection_write(
+    """k_norm + RoPE + paged write of kv [T, L, 2, Hkv*D] (the fused k/v GEMM output), by the
+    CUDA or the CPU op as kv's device says."""
+    ops = torch.ops.vllm_dflash if kv.is_cuda else torch.ops.vllm_dflash_cpu
+    ops.kv_injection_write(
         kv, positions, slot_mapping, k_norm_weight, eps, cos_sin_cache, list(kv_caches)
     )
 
@@ -66,7 +69,7 @@ def draft_attention(
 ) -> torch.Tensor:
     """CPU: the contract of `draft_attention_reference`; the last dim of q, k, v and kv_cache
     must be contiguous."""
-    return torch.ops.vllm_dflash.draft_attention(
+    return torch.ops.vllm_dflash_cpu.draft_attention(
         q, k, v, kv_cache, block_table, context_lens, query_start_loc, scale, causal,
         sliding_window or 0,
     )

@@ -8,9 +8,10 @@ Paged cache of one layer (vLLM 0.32): logical shape [num_blocks, num_kv_heads, b
 2 * head_dim], K in [..., :head_dim], V in [..., head_dim:], any strides.
 slot = block_id * block_size + offset_in_block; slot < 0 marks padding and is skipped.
 
-Four paths with one signature: the compiled CUDA op (`csrc/kv_injection.cu`), one Triton kernel
-for all layers (a per-layer pointer/stride table), the torch fallback used on CPU, and the
-pure-torch reference, layer by layer, that the others are tested against.
+Five paths with one signature: the compiled CUDA op (`csrc/kv_injection.cu`), one Triton kernel
+for all layers (a per-layer pointer/stride table), the compiled CPU op
+(`csrc/cpu/kv_injection.cpp`), the torch fallback where that is not built, and the pure-torch
+reference, layer by layer, that the others are tested against.
 """
 
 from collections.abc import Sequence
@@ -233,15 +234,16 @@ def kv_injection(
     cos_sin_cache: torch.Tensor,
     kv_caches: Sequence[torch.Tensor],
 ) -> None:
-    """Dispatch: compiled CUDA op, else Triton on CUDA, else the torch fallback (CPU)."""
+    """Dispatch: the compiled op of ctx's device where it is built, else Triton on CUDA and
+    the torch fallback on CPU."""
     args = (ctx, positions, slot_mapping, kv_weight, k_norm_weight, eps, cos_sin_cache, kv_caches)
-    if not ctx.is_cuda:
-        kv_injection_torch(*args)
-    elif _compiled.cuda_available():
+    if _compiled.cuda_available() if ctx.is_cuda else _compiled.cpu_available():
         num_layers = _check_shapes(ctx, kv_weight, k_norm_weight, kv_caches)[0]
         _compiled.kv_injection_write(
             _project(ctx, kv_weight, num_layers), positions, slot_mapping,
             k_norm_weight, eps, cos_sin_cache, kv_caches,
         )
-    else:
+    elif ctx.is_cuda:
         kv_injection_triton(*args)
+    else:
+        kv_injection_torch(*args)
