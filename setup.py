@@ -1,6 +1,6 @@
 """Build script: the compiled kernels of csrc/ (package metadata lives in pyproject.toml).
 
-- `vllm_dflash._C_cpu`, the CPU kernels (csrc/cpu/: draft attention, KV injection): built whenever torch is importable at build
+- `vllm_dflash._C_cpu`, the CPU kernels (csrc/cpu/: draft attention, KV injection, RMSNorm, RoPE): built whenever torch is importable at build
   time (`pip install --no-build-isolation .`) and a C++ compiler works. They are compiled for the
   build machine's CPU (-march=native); set VLLM_DFLASH_CPU_MARCH (e.g. x86-64-v3) to build a
   binary for other machines. VLLM_DFLASH_BUILD_CPU=0 never builds them; =1 makes a failure an
@@ -69,7 +69,7 @@ def _build_kwargs() -> dict:
         extensions.append(CppExtension(
             name="vllm_dflash._C_cpu",
             sources=["csrc/cpu/torch_bindings.cpp", "csrc/cpu/draft_attention.cpp",
-                     "csrc/cpu/kv_injection.cpp"],
+                     "csrc/cpu/kv_injection.cpp", "csrc/cpu/norm_rope.cpp"],
             depends=["csrc/cpu/ops.h", "csrc/kv_injection_args.h", "csrc/kv_injection_params.h",
                      "csrc/python_module.h"],
             # -fopenmp: ATen's parallel_for runs its loop in OpenMP threads only when compiled so.

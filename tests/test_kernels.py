@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_dflash.kernels import _compiled
+from vllm_dflash import layers
+from vllm_dflash.kernels import _compiled, norm_rope
 from vllm_dflash.kernels.argmax import argmax_rows
 from vllm_dflash.kernels.draft_attention import (
     draft_attention,
@@ -366,6 +367,44 @@ def test_kv_injection_cpu_kernel_matches_reference(dtype: torch.dtype, padding: 
         kv_injection_reference(**expected)
         for got, want in zip(args["kv_caches"], expected["kv_caches"]):
             torch.testing.assert_close(got, want, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_norm_rope_cpu_kernels_match_references(dtype: torch.dtype) -> None:
+    """RMSNorm over hidden states and heads; RoPE of a strided q view (a fused projection)."""
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((5, 48), (7, 3, 16), (0, 16)):
+        x = torch.randn(shape, generator=gen).to(dtype)
+        weight = (torch.rand(shape[-1], generator=gen) + 0.5).to(dtype)
+        torch.testing.assert_close(torch.ops.vllm_dflash_cpu.rms_norm(x, weight, EPS),
+                                   layers.rms_norm(x, weight, EPS), **TOLERANCES.get(
+                                       dtype, TOLERANCES[torch.bfloat16]))
+    qkv = torch.randn(9, 5 * 16, generator=gen).to(dtype)
+    q = qkv[:, :48].view(9, 3, 16)
+    tables = layers.rope_tables(torch.randint(0, 200, (9,), generator=gen),
+                                rope_cos_sin_cache(16, 200, THETA))
+    torch.testing.assert_close(torch.ops.vllm_dflash_cpu.rotate(q, *tables),
+                               layers.rotate(q, tables),
+                               **TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16]))
+
+
+def test_norm_rope_dispatch() -> None:
+    """The compiled ops at inference; the references where autograd records or x is strided."""
+    x = torch.randn(4, 2, 16)
+    weight = torch.nn.Parameter(torch.rand(16) + 0.5)
+    tables = layers.rope_tables(torch.arange(4), rope_cos_sin_cache(16, 8, THETA))
+    with torch.no_grad():
+        assert torch.equal(norm_rope.rms_norm(x, weight, EPS),
+                           torch.ops.vllm_dflash_cpu.rms_norm(x, weight, EPS))
+        assert torch.equal(norm_rope.rotate(x, tables),
+                           torch.ops.vllm_dflash_cpu.rotate(x, *tables))
+        strided = x.transpose(0, 1)
+        assert torch.equal(norm_rope.rms_norm(strided, weight, EPS),
+                           layers.rms_norm(strided, weight, EPS))
+    out = norm_rope.rms_norm(x, weight, EPS)
+    assert out.requires_grad and torch.equal(out, layers.rms_norm(x, weight, EPS))
+    x.requires_grad_()
+    assert torch.equal(norm_rope.rotate(x, tables), layers.rotate(x, tables))
 
 
 def test_cpu_kernels_reject_bad_inputs() -> None:

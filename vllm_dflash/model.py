@@ -13,7 +13,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from vllm_dflash.config import DFlashConfig
-from vllm_dflash.layers import RopeTables, rms_norm, rope_cos_sin_cache, rope_tables, rotate
+from vllm_dflash.kernels.norm_rope import rms_norm, rotate
+from vllm_dflash.layers import RopeTables, rope_cos_sin_cache, rope_tables
 
 KV = tuple[torch.Tensor, torch.Tensor]
 # attend(layer_idx, q [Tq, Hq, D], k [Tq, Hkv, D], v [Tq, Hkv, D]) -> [Tq, Hq, D], where k/v are

@@ -18,4 +18,8 @@ void kv_injection_write(const at::Tensor& kv, const at::Tensor& positions,
                         double eps, const at::Tensor& cos_sin_cache,
                         const std::vector<at::Tensor>& kv_caches);
 
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
 }  // namespace vllm_dflash
