@@ -10,6 +10,7 @@ python3 -m pip uninstall -y torchvision torchaudio torchcodec
 # build (--no-build-isolation). --no-deps keeps pip from swapping the CPU build of vLLM for the
 # CUDA one.
 command -v c++ >/dev/null || { apt-get update && apt-get install -y --no-install-recommends g++; }
+python3 -m pip install "setuptools>=64" wheel
 VLLM_DFLASH_BUILD_CPU=1 python3 -m pip install --no-deps --no-build-isolation -e .
 python3 -m pip install safetensors tokenizers numpy pytest scipy ruff matplotlib tqdm
 # The reference implementation, used by the tests as a numerical oracle.
