@@ -407,6 +407,18 @@ def test_norm_rope_dispatch() -> None:
     assert torch.equal(norm_rope.rotate(x, tables), layers.rotate(x, tables))
 
 
+def test_draft_attention_cpu_kernel_far_scores() -> None:
+    """Scores hundreds apart (exp underflows to 0 and must not wrap around), and a key far above
+    the rest (the softmax is one-hot)."""
+    args = attention_batch([30, 7], [4, 4], 4, 2, 16, torch.float32, "contiguous")
+    args["q"] = args["q"] * 60.0
+    for scale in (0.25, 4.0):
+        flags = {"scale": scale, "causal": False, "sliding_window": None}
+        torch.testing.assert_close(_compiled.draft_attention(**args, **flags),
+                                   draft_attention_reference(**args, **flags),
+                                   **TOLERANCES[torch.float32])
+
+
 def test_cpu_kernels_reject_bad_inputs() -> None:
     args = attention_batch([3, 8], [2, 5], 4, 2, 16, torch.float32, "strided_dim")
     flags = {"scale": 0.25, "causal": True, "sliding_window": None}

@@ -37,13 +37,15 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // exp(x) for x <= 0 (a score minus its row's max), 0 for -inf (a hidden key).
 // std::exp does not vectorize without -ffast-math, whose no-infinities rule would break the
-// mask; this is 2^(x log2 e) with a degree-6 polynomial on the fraction (relative error ~2e-7).
+// mask; this is 2^t, t = x log2 e, with a degree-6 polynomial on t's fraction (relative error
+// ~2e-7). t is clamped at -126, the smallest normal exponent: 2^-126 ~ 1e-38 stands for 0.
 inline Rows exp_nonpositive(Rows x) {
-  const Rows t = (x > -126.0f ? x : Rows{} - 126.0f) * 1.44269504088896341f;
+  Rows t = x * 1.44269504088896341f;
+  t = t > -126.0f ? t : Rows{} - 126.0f;
   RowInts n = __builtin_convertvector(t, RowInts);  // rounds toward 0: floor for t <= 0 ...
   n += t < __builtin_convertvector(n, Rows);         // ... once a non-integer t is lowered by 1
   const Rows f = t - __builtin_convertvector(n, Rows);
-  Rows p = 1.535336188319500e-4f + f * 0.0f;
+  Rows p = Rows{} + 1.535336188319500e-4f;
   p = p * f + 1.339887440266574e-3f;
   p = p * f + 9.618437357674640e-3f;
   p = p * f + 5.550332471162809e-2f;
