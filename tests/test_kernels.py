@@ -135,6 +135,17 @@ def injection_batch(
     }
 
 
+def with_padding(args: dict, padding: str) -> dict:
+    """injection_batch's arguments with its padding slots kept ("some"), dropped ("none"), or
+    every slot padding ("all")."""
+    if padding == "none":
+        keep = args["slot_mapping"] >= 0
+        args |= {name: args[name][keep] for name in ("ctx", "positions", "slot_mapping")}
+    elif padding == "all":
+        args["slot_mapping"][:] = -1
+    return args
+
+
 def with_cache_copies(args: dict) -> dict:
     """The same arguments with fresh copies (same strides) of the caches."""
     copies = []
@@ -235,17 +246,21 @@ ATTENTION_BATCHES = [([0, 5, 13, 70], [3, 1, 4, 6]), ([40, 3, 0], [8, 8, 8]),
                      ([9, 33, 17], [1, 5, 2]), ([0, 0], [2, 3])]
 
 
-@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("path", ["torch", "c++"])
+@pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("causal,sliding_window", MASKS)
 @pytest.mark.parametrize("context_lens,query_lens", ATTENTION_BATCHES)
-def test_draft_attention_torch_matches_reference(
-    group: int, causal: bool, sliding_window: int | None, context_lens: list[int],
+def test_draft_attention_cpu_paths_match_reference(
+    path: str, group: int, causal: bool, sliding_window: int | None, context_lens: list[int],
     query_lens: list[int],
 ) -> None:
+    """The torch fallback and the C++ kernel; groups of 1, 3 and 4 heads (the kernel's row
+    tiles full, ragged, or spanning two queries)."""
+    attend = {"torch": draft_attention_torch, "c++": _compiled.draft_attention}[path]
     args = attention_batch(context_lens, query_lens, 2 * group, 2, 16, torch.float32,
                            "permuted", seed=group)
     flags = {"scale": 0.25, "causal": causal, "sliding_window": sliding_window}
-    torch.testing.assert_close(draft_attention_torch(**args, **flags),
+    torch.testing.assert_close(attend(**args, **flags),
                                draft_attention_reference(**args, **flags),
                                **TOLERANCES[torch.float32])
 
@@ -277,12 +292,8 @@ def test_kv_injection_reference_matches_naive() -> None:
 @pytest.mark.parametrize("padding", ["some", "none", "all"])
 def test_kv_injection_torch_equals_reference(dtype: torch.dtype, padding: str) -> None:
     """Bit for bit, with padding slots or none or only, a different cache layout per layer."""
-    args = injection_batch(11, 24, 3, 2, 16, dtype, ["permuted", "padded", "strided_dim"])
-    if padding == "none":
-        keep = args["slot_mapping"] >= 0
-        args |= {name: args[name][keep] for name in ("ctx", "positions", "slot_mapping")}
-    elif padding == "all":
-        args["slot_mapping"][:] = -1
+    args = with_padding(injection_batch(11, 24, 3, 2, 16, dtype,
+                                        ["permuted", "padded", "strided_dim"]), padding)
     expected = with_cache_copies(args)
     kv_injection_torch(**args)
     kv_injection_reference(**expected)
@@ -319,22 +330,6 @@ def test_cpu_kernels_are_built() -> None:
         "`pip install --no-build-isolation -e .` and a C++ compiler (scripts/install_cpu.sh)")
 
 
-@pytest.mark.parametrize("group", [1, 3, 4])
-@pytest.mark.parametrize("causal,sliding_window", MASKS)
-@pytest.mark.parametrize("context_lens,query_lens", ATTENTION_BATCHES)
-def test_draft_attention_cpu_kernel_matches_reference(
-    group: int, causal: bool, sliding_window: int | None, context_lens: list[int],
-    query_lens: list[int],
-) -> None:
-    """Groups of 1, 3 and 4 heads: row tiles that are full, ragged, or span two queries."""
-    args = attention_batch(context_lens, query_lens, 2 * group, 2, 16, torch.float32,
-                           "permuted", seed=group)
-    flags = {"scale": 0.25, "causal": causal, "sliding_window": sliding_window}
-    torch.testing.assert_close(_compiled.draft_attention(**args, **flags),
-                               draft_attention_reference(**args, **flags),
-                               **TOLERANCES[torch.float32])
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["contiguous", "padded"])
 def test_draft_attention_cpu_kernel_dtypes_and_layouts(dtype: torch.dtype, layout: str) -> None:
@@ -356,12 +351,8 @@ def test_kv_injection_cpu_kernel_matches_reference(dtype: torch.dtype, padding: 
     or only, odd head counts."""
     layouts = ["permuted", "padded", "strided_dim", "contiguous"]
     for num_kv_heads, head_dim in ((2, 16), (3, 48)):
-        args = injection_batch(11, 40, 4, num_kv_heads, head_dim, dtype, layouts)
-        if padding == "none":
-            keep = args["slot_mapping"] >= 0
-            args |= {name: args[name][keep] for name in ("ctx", "positions", "slot_mapping")}
-        elif padding == "all":
-            args["slot_mapping"][:] = -1
+        args = with_padding(
+            injection_batch(11, 40, 4, num_kv_heads, head_dim, dtype, layouts), padding)
         expected = with_cache_copies(args)
         kv_injection(**args)  # the dispatcher: the compiled op (test_dispatch_on_cpu)
         kv_injection_reference(**expected)
