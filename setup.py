@@ -1,10 +1,10 @@
 """Build script: the compiled kernels of csrc/ (package metadata lives in pyproject.toml).
 
-- `vllm_dflash._C_cpu`, the CPU kernels (csrc/cpu/: draft attention, KV injection, RMSNorm, RoPE): built whenever torch is importable at build
-  time (`pip install --no-build-isolation .`) and a C++ compiler works. They are compiled for the
-  build machine's CPU (-march=native); set VLLM_DFLASH_CPU_MARCH (e.g. x86-64-v3) to build a
-  binary for other machines. VLLM_DFLASH_BUILD_CPU=0 never builds them; =1 makes a failure an
-  error.
+- `vllm_dflash._C_cpu`, the CPU kernels (csrc/cpu/: draft attention, KV injection, RMSNorm,
+  RoPE): built whenever torch is importable at build time (`pip install --no-build-isolation .`)
+  and a C++ compiler works. They are compiled for the build machine's CPU (-march=native); set
+  VLLM_DFLASH_CPU_MARCH (e.g. x86-64-v3) to build a binary for other machines.
+  VLLM_DFLASH_BUILD_CPU=0 never builds them; =1 makes a failure an error.
 - `vllm_dflash._C`, the CUDA kernels: built when nvcc is found and torch is a CUDA build.
   VLLM_DFLASH_BUILD_CUDA=0 never builds them; =1 makes a missing requirement an error.
 Without an extension the Triton / torch paths are used.

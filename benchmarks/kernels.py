@@ -44,6 +44,7 @@ from vllm_dflash.draft_graphs import DraftGraphs
 from vllm_dflash.kernels import _compiled
 from vllm_dflash.kernels.draft_attention import (
     DraftBatch,
+    draft_attention_cpu,
     draft_attention_reference,
     draft_attention_torch,
     draft_attention_triton,
@@ -160,6 +161,8 @@ def bench_kv_injection(args: argparse.Namespace, drafter: DFlashDrafter, paged: 
         paths["triton"] = kv_injection_triton
         if _compiled.cuda_available():
             paths["cuda"] = kv_injection  # the dispatcher picks the compiled op
+    elif _compiled.cpu_available():
+        paths["c++"] = kv_injection  # the dispatcher picks the compiled op
 
     for name, inject in paths.items():
         def step(inject=inject) -> None:
@@ -185,6 +188,8 @@ def bench_draft_attention(args: argparse.Namespace, paged: PagedBatch, rows: lis
              "torch": lambda *a: draft_attention_torch(*a, max_query_len=b)}
     if device.type == "cuda":
         paths["triton"] = lambda *a: draft_attention_triton(*a, max_query_len=b)
+    elif _compiled.cpu_available():
+        paths["c++"] = draft_attention_cpu
     for name, attention in paths.items():
         ms = median_ms(lambda fn=attention: fn(*inputs), device, args.repeats, args.warmup)
         report(rows, {"what": "draft_attention", "path": name, "batch": batch, "tokens": tokens,
@@ -252,6 +257,8 @@ def bench_drafter_step(args: argparse.Namespace, drafter: DFlashDrafter,
     paths = {"torch": draft_attention_torch}
     if device.type == "cuda":
         paths["triton"] = draft_attention_triton
+    elif _compiled.cpu_available():  # no grid: max_query_len means nothing to it
+        paths["c++"] = lambda *a, max_query_len: draft_attention_cpu(*a)
     draft_batch = paged.draft
     eager_ms = {}
     for name, attention in paths.items():

@@ -16,10 +16,11 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_BENCH = ["--batches", "3", "--repeats", "2", "--warmup", "1", "--hidden", "64",
               "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
               "--intermediate", "128", "--features", "2", "--context", "40", "--vocab", "300"]
-CPU_ROWS = {("kv_injection", "reference"), ("kv_injection", "torch"),
+# The c++ rows: the compiled CPU kernels, which the README's install builds.
+CPU_ROWS = {("kv_injection", "reference"), ("kv_injection", "torch"), ("kv_injection", "c++"),
             ("draft_attention", "reference"), ("draft_attention", "torch"),
-            ("verify_greedy", "reference"), ("verify_sampled", "reference"),
-            ("drafter_step", "torch")}
+            ("draft_attention", "c++"), ("verify_greedy", "reference"),
+            ("verify_sampled", "reference"), ("drafter_step", "torch"), ("drafter_step", "c++")}
 
 
 def _run_bench(*args: str) -> subprocess.CompletedProcess:

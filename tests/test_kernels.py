@@ -32,6 +32,7 @@ from vllm_dflash.kernels import _compiled, norm_rope
 from vllm_dflash.kernels.argmax import argmax_rows
 from vllm_dflash.kernels.draft_attention import (
     draft_attention,
+    draft_attention_cpu,
     draft_attention_reference,
     draft_attention_torch,
     draft_attention_triton,
@@ -256,7 +257,7 @@ def test_draft_attention_cpu_paths_match_reference(
 ) -> None:
     """The torch fallback and the C++ kernel; groups of 1, 3 and 4 heads (the kernel's row
     tiles full, ragged, or spanning two queries)."""
-    attend = {"torch": draft_attention_torch, "c++": _compiled.draft_attention}[path]
+    attend = {"torch": draft_attention_torch, "c++": draft_attention_cpu}[path]
     args = attention_batch(context_lens, query_lens, 2 * group, 2, 16, torch.float32,
                            "permuted", seed=group)
     flags = {"scale": 0.25, "causal": causal, "sliding_window": sliding_window}
@@ -315,7 +316,7 @@ def test_dispatch_on_cpu() -> None:
     for got, want in zip(args["kv_caches"], expected["kv_caches"]):
         assert torch.equal(got, want)
     flags = {"scale": 0.25, "causal": True, "sliding_window": None}
-    for layout, path in (("permuted", _compiled.draft_attention),
+    for layout, path in (("permuted", draft_attention_cpu),
                          ("strided_dim", draft_attention_torch)):
         batch = attention_batch([3, 8], [2, 5], 4, 2, 16, torch.float32, layout)
         assert torch.equal(draft_attention(**batch, **flags), path(**batch, **flags))
@@ -339,7 +340,7 @@ def test_draft_attention_cpu_kernel_dtypes_and_layouts(dtype: torch.dtype, layou
     flags = {"scale": 0.25, "causal": False, "sliding_window": 9}
     expected = draft_attention_reference(**args, **flags)
     extra = {**args, **{name: torch.cat([args[name], args[name][:3]]) for name in "qkv"}}
-    got = _compiled.draft_attention(**extra, **flags)
+    got = draft_attention_cpu(**extra, **flags)
     tolerance = TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16])
     torch.testing.assert_close(got[:18], expected, **tolerance)
 
@@ -405,7 +406,7 @@ def test_draft_attention_cpu_kernel_far_scores() -> None:
     args["q"] = args["q"] * 60.0
     for scale in (0.25, 4.0):
         flags = {"scale": scale, "causal": False, "sliding_window": None}
-        torch.testing.assert_close(_compiled.draft_attention(**args, **flags),
+        torch.testing.assert_close(draft_attention_cpu(**args, **flags),
                                    draft_attention_reference(**args, **flags),
                                    **TOLERANCES[torch.float32])
 
@@ -414,10 +415,10 @@ def test_cpu_kernels_reject_bad_inputs() -> None:
     args = attention_batch([3, 8], [2, 5], 4, 2, 16, torch.float32, "strided_dim")
     flags = {"scale": 0.25, "causal": True, "sliding_window": None}
     with pytest.raises(RuntimeError, match="last dim .* must be contiguous"):
-        _compiled.draft_attention(**args, **flags)
+        draft_attention_cpu(**args, **flags)
     args = attention_batch([3, 8], [2, 5], 4, 2, 16, torch.float32, "contiguous")
     with pytest.raises(RuntimeError, match="int32"):
-        _compiled.draft_attention(**{**args, "context_lens": args["context_lens"].long()},
+        draft_attention_cpu(**{**args, "context_lens": args["context_lens"].long()},
                                   **flags)
     args = injection_batch(6, 24, 2, 2, 16, torch.float32, ["permuted"])
     kv = torch.zeros(6, 2, 2, 32)

@@ -196,7 +196,11 @@ class _Choice:
     batch: tuple[str, ...]  # the request ids it was made for, in order
     lengths: np.ndarray
     step: int
-    uniform: bool  # one length for every request
+
+    @property
+    def uniform(self) -> bool:
+        """One length for every request."""
+        return bool((self.lengths == self.lengths[0]).all())
 
 
 @dataclass
@@ -239,8 +243,7 @@ class DraftPolicy:
             lengths = np.full(len(req_ids), chosen.lengths[0])
         else:
             lengths = self.choose(req_ids)
-            uniform = bool((lengths == lengths[0]).all())
-            self.chosen = _Choice(batch, lengths.copy(), self.steps, uniform)
+            self.chosen = _Choice(batch, lengths.copy(), self.steps)
         num_draft = int(lengths.max())
         if num_draft < max_draft:
             phase = self.steps % EXPLORE_INTERVAL

@@ -218,9 +218,10 @@ class DFlashProposer(SpecDecodeBaseProposer):
         )
         if self.device.type == "cpu" and not _compiled.cpu_available():
             logger.warning(
-                "vllm-dflash: the compiled CPU kernels do not import (%s); draft attention runs "
-                "the slower torch fallback. Reinstall with a C++ compiler and "
-                "`pip install --no-build-isolation vllm-dflash`.", _compiled.cpu_import_error)
+                "vllm-dflash: the compiled CPU kernels do not import (%s); draft attention, KV "
+                "injection, RMSNorm and RoPE run their slower torch fallbacks. Reinstall with a "
+                "C++ compiler and `pip install --no-build-isolation vllm-dflash`.",
+                _compiled.cpu_import_error)
 
     def _get_eagle3_use_aux_hidden_state_from_config(self) -> bool:
         return True  # the drafter always reads the target's intermediate features

@@ -59,7 +59,7 @@ inline Rows exp_nonpositive(Rows x) {
 }
 
 struct Problem {
-  int num_heads, num_kv_heads, group, head_dim, block_size;
+  int num_kv_heads, group, head_dim, block_size;  // group: query heads per KV head
   int64_t q_stride[2], k_stride[2], v_stride[2], out_stride[2], cache_stride[3], table_stride;
   float scale;
   bool causal;
@@ -229,9 +229,8 @@ at::Tensor draft_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   check_inputs(q, k, v, kv_cache, block_table, context_lens, query_start_loc);
   at::Tensor out = at::empty_like(q);
   Problem p;
-  p.num_heads = static_cast<int>(q.size(1));
   p.num_kv_heads = static_cast<int>(k.size(1));
-  p.group = p.num_heads / p.num_kv_heads;
+  p.group = static_cast<int>(q.size(1)) / p.num_kv_heads;
   p.head_dim = static_cast<int>(q.size(2));
   p.block_size = static_cast<int>(kv_cache.size(2));
   for (int d = 0; d < 2; ++d) {

@@ -1,8 +1,8 @@
-"""The compiled extensions that setup.py builds from csrc/; importing one registers its
-`torch.ops.vllm_dflash.*` ops.
+"""The compiled extensions that setup.py builds from csrc/; importing one registers its torch
+ops.
 
-- `vllm_dflash._C_cpu` (`torch.ops.vllm_dflash_cpu`): CPU draft attention and KV injection
-  (csrc/cpu/), built wherever torch and a C++ compiler are present at install time
+- `vllm_dflash._C_cpu` (`torch.ops.vllm_dflash_cpu`): CPU draft attention, KV injection and the
+  drafter's RMSNorm and RoPE (csrc/cpu/), built wherever torch and a C++ compiler are present at install time
   (`pip install --no-build-isolation`).
 - `vllm_dflash._C` (`torch.ops.vllm_dflash`): the CUDA KV-injection kernel (csrc/*.cu), built
   where nvcc and a CUDA build of torch are.
@@ -54,22 +54,3 @@ def kv_injection_write(
         kv, positions, slot_mapping, k_norm_weight, eps, cos_sin_cache, list(kv_caches)
     )
 
-
-def draft_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    causal: bool,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    """CPU: the contract of `draft_attention_reference`; the last dim of q, k, v and kv_cache
-    must be contiguous."""
-    return torch.ops.vllm_dflash_cpu.draft_attention(
-        q, k, v, kv_cache, block_table, context_lens, query_start_loc, scale, causal,
-        sliding_window or 0,
-    )

@@ -387,6 +387,26 @@ def draft_attention_triton(
     return out
 
 
+def draft_attention_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    causal: bool,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """The C++ CPU kernel (csrc/cpu/draft_attention.cpp), same contract as
+    `draft_attention_reference`; the last dim of q, k, v and kv_cache must be contiguous."""
+    return torch.ops.vllm_dflash_cpu.draft_attention(
+        q, k, v, kv_cache, block_table, context_lens, query_start_loc, scale, causal,
+        sliding_window or 0,
+    )
+
+
 def draft_attention_path(device: torch.device) -> str:
     """The path `draft_attention` takes on `device` (for the start-up log)."""
     if device.type == "cuda":
@@ -415,5 +435,5 @@ def draft_attention(
     if q.is_cuda:
         return draft_attention_triton(*args, max_query_len=max_query_len)
     if _compiled.cpu_available() and all(t.stride(-1) == 1 for t in (q, k, v, kv_cache)):
-        return _compiled.draft_attention(*args)
+        return draft_attention_cpu(*args)
     return draft_attention_torch(*args, max_query_len=max_query_len)

@@ -237,7 +237,8 @@ def kv_injection(
     """Dispatch: the compiled op of ctx's device where it is built, else Triton on CUDA and
     the torch fallback on CPU."""
     args = (ctx, positions, slot_mapping, kv_weight, k_norm_weight, eps, cos_sin_cache, kv_caches)
-    if _compiled.cuda_available() if ctx.is_cuda else _compiled.cpu_available():
+    compiled = _compiled.cuda_available() if ctx.is_cuda else _compiled.cpu_available()
+    if compiled:
         num_layers = _check_shapes(ctx, kv_weight, k_norm_weight, kv_caches)[0]
         _compiled.kv_injection_write(
             _project(ctx, kv_weight, num_layers), positions, slot_mapping,
