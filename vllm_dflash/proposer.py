@@ -387,14 +387,16 @@ class DFlashProposer(SpecDecodeBaseProposer):
             and config.parallel_config.tensor_parallel_size == 1
         )
 
-    def capture_draft_graphs(self) -> None:
-        """One graph per batch size in vLLM's capture sizes, up to max_num_seqs."""
+    def capture_draft_graphs(self, use_cuda_graph: bool = True) -> None:
+        """One graph per batch size in vLLM's capture sizes, up to max_num_seqs.
+        use_cuda_graph=False keeps the graphs' static buffers and padding but runs the step
+        eagerly: how the CPU tests run this path inside an engine."""
         capture_sizes = self.vllm_config.compilation_config.cudagraph_capture_sizes or []
         sizes = [s for s in capture_sizes if s < self.max_batch_size] + [self.max_batch_size]
         max_blocks = -(-self.vllm_config.model_config.max_model_len // self.block_size)
         graphs = DraftGraphs(
             lambda anchors, batch: self.draft(anchors, batch, self.num_speculative_tokens),
-            sizes, max_blocks, self.block_len, self.device,
+            sizes, max_blocks, self.block_len, self.device, use_cuda_graph,
         )
         start = time.perf_counter()
         try:
@@ -404,8 +406,9 @@ class DFlashProposer(SpecDecodeBaseProposer):
                            "drafter runs eagerly", error)
             return
         self.draft_graphs = graphs
-        logger.info("vllm-dflash: drafter CUDA graphs captured for %d batch sizes (1..%d) in "
-                    "%.1f s", len(graphs.sizes), graphs.sizes[-1], time.perf_counter() - start)
+        logger.info("vllm-dflash: drafter %s for %d batch sizes (1..%d) in %.1f s",
+                    "CUDA graphs captured" if use_cuda_graph else "graph buffers set up (eager)",
+                    len(graphs.sizes), graphs.sizes[-1], time.perf_counter() - start)
 
     def dummy_draft_inputs(self, num_reqs: int) -> tuple[torch.Tensor, DraftBatch]:
         """Anchors and an empty-context batch of num_reqs blocks, for profiling."""

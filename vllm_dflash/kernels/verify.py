@@ -475,7 +475,7 @@ def vllm_rejection_sample(
     target_argmax = argmax_rows(target_logits)
     bonus = bonus_token_ids.view(-1)
     if sampling_metadata.all_greedy:
-        if target_logits.device.type != "cuda":  # the torch fallback, as in _walk_for
+        if walk is rejection_walk_reference:  # the torch fallback has a cheaper greedy walk
             return greedy_walk_torch(draft_token_ids, num_draft_tokens, max_spec_len,
                                      target_argmax, bonus)
         is_greedy = torch.ones(len(num_draft_tokens), dtype=torch.bool,
