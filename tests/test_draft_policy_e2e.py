@@ -46,11 +46,22 @@ def prompts() -> list[dict]:
 
 
 def outputs(llm, prompts: list[dict]) -> dict[str, list[list[int]]]:
-    """Greedy output of every prompt alone (concurrency 1), then of all at once (16)."""
+    """Greedy output of every prompt alone (concurrency 1), then of all at once (16), then of
+    all at once with every other request held to a grammar (printable ASCII: drafts pass it,
+    and vLLM checks each against it)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
     alone = [generate_ids(llm, [p], max_tokens=MAX_NEW_TOKENS, ignore_eos=True)[0]
              for p in prompts]
     batch = generate_ids(llm, prompts, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-    return {"alone": alone, "batch": batch}
+    printable = StructuredOutputsParams(regex=r"[ -~\n]*")
+    mixed = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS,
+                            structured_outputs=printable if i % 2 == 0 else None)
+             for i in range(len(prompts))]
+    structured = [list(o.outputs[0].token_ids)
+                  for o in llm.generate(prompts, mixed, use_tqdm=False)]
+    return {"alone": alone, "batch": batch, "structured": structured}
 
 
 def long_outputs(llm, prompts: list[dict]) -> list[list[int]]:
@@ -93,6 +104,7 @@ def test_adaptive_greedy_equals_no_speculation_at_concurrency_1_and_16(baseline,
     got, _ = trained_run
     assert got["alone"] == baseline["alone"]
     assert got["batch"] == baseline["batch"]
+    assert got["structured"] == baseline["structured"]
 
 
 def test_seeded_sampling_is_reproducible_with_adaptive_lengths(trained_run, prompts):
@@ -126,11 +138,12 @@ def test_useless_drafter_is_switched_off_losslessly(baseline, useless_run):
     got, m = useless_run
     assert got["alone"] == baseline["alone"]
     assert got["batch"] == baseline["batch"]
+    assert got["structured"] == baseline["structured"]
     # A fixed K verifies K draft tokens per step, K per output token when nothing is accepted.
     # The policy stops once its measured acceptance makes drafts not worth their cost (on a
     # CPU at concurrency 1 drafts are nearly free, so that takes some 100 drafts), then only
     # explores: a small fraction of fixed K's draft tokens.
-    output_tokens = 2 * 16 * MAX_NEW_TOKENS
+    output_tokens = 2 * 16 * MAX_NEW_TOKENS  # alone and batch; not counting structured: stricter
     assert m["draft_tokens"] < 0.2 * K * output_tokens, m
 
 

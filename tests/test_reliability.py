@@ -375,6 +375,28 @@ def test_penalties_bad_words_allowed_tokens_min_tokens_equal_no_speculation(
         assert completions(dflash, prompts, sampling) == completions(baseline, prompts, sampling)
 
 
+def test_structured_outputs_equal_no_speculation(baseline, dflash, prompts):
+    # vLLM checks each draft against the request's grammar; constrained requests share the
+    # batch with unconstrained ones.
+    from vllm.sampling_params import StructuredOutputsParams
+
+    choices = ["alpha", "beta", "gamma delta"]
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "n": {"type": "integer"}},
+              "required": ["name", "n"]}
+    cases = [StructuredOutputsParams(choice=choices),
+             StructuredOutputsParams(regex=r"(def|class) [a-z_]+\([a-z_, ]*\):\n    [^\n]+"),
+             StructuredOutputsParams(json=schema)]
+    free = params(temperature=0.0, max_tokens=32)
+    for constraint in cases:
+        constrained = params(temperature=0.0, max_tokens=32, structured_outputs=constraint)
+        sampling = [constrained if i % 2 == 0 else free for i in range(len(prompts))]
+        got = completions(dflash, prompts, sampling)
+        assert got == completions(baseline, prompts, sampling), constraint
+        if constraint.choice:
+            assert all(text in choices for _, text, *_ in got[::2]), got
+
+
 def block_stop_strings(dflash, prompt: dict, tokenizer) -> dict[str, str]:
     """Two-token pieces of a request's speculative output, each first seen where it straddles
     the boundary between two verified blocks ("across") or lies inside one ("inside")."""
