@@ -103,3 +103,34 @@ def spec_metrics(llm) -> dict:
         "accepted": values.get("num_accepted_tokens", 0),
         "accepted_per_pos": values.get("accepted_per_pos", []),
     }
+
+
+def write_random_lora(target: Path, out: Path, rank: int = 8, seed: int = 0) -> Path:
+    """A PEFT LoRA adapter of random weights on the target's attention and MLP projections."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((target / "config.json").read_text())
+    hidden, head_dim = config["hidden_size"], config["head_dim"]
+    shapes = {  # module -> (in, out)
+        "q_proj": (hidden, config["num_attention_heads"] * head_dim),
+        "v_proj": (hidden, config["num_key_value_heads"] * head_dim),
+        "down_proj": (config["intermediate_size"], hidden),
+    }
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, (fan_in, fan_out) in shapes.items():
+            part = "mlp" if module == "down_proj" else "self_attn"
+            prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            weights[f"{prefix}.lora_A.weight"] = 0.2 * torch.randn(rank, fan_in, generator=g)
+            weights[f"{prefix}.lora_B.weight"] = 0.2 * torch.randn(fan_out, rank, generator=g)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+        "target_modules": list(shapes), "bias": "none", "base_model_name_or_path": str(target),
+    }))
+    return out

@@ -6,6 +6,7 @@ vLLM loads `register()` through the `vllm.general_plugins` entry point in every 
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -350,6 +351,38 @@ def expand_batch_to_tokens(
     if replace_from != replace_to:
         out = out.masked_fill(out == replace_from, replace_to)
     return out
+
+
+def target_head(target: torch.nn.Module, lora: bool) -> tuple[Callable, Callable]:
+    """The target's token embedding and logits, as the drafter calls them: ids -> embeddings,
+    hidden states -> logits.
+
+    With LoRA on, vLLM wraps the embedding, lm_head and logits processor in adapter layers that
+    index the target's own batch of tokens; the drafter's batch is another, so it runs their
+    base layers. Adapters apply to the target alone: verification by the adapted target keeps
+    the output exact, only acceptance can change.
+    """
+    if not lora:
+        return target.embed_input_ids, target.compute_logits
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    def base(module: torch.nn.Module) -> torch.nn.Module:
+        return module.base_layer if isinstance(module, BaseLayerWithLoRA) else module
+
+    model = target.get_language_model() if hasattr(target, "get_language_model") else target
+    inner = getattr(model, "model", None)
+    missing = [name for name, owner in (("model.embed_tokens", inner), ("lm_head", model),
+                                        ("logits_processor", model))
+               if not hasattr(owner, name.split(".")[-1])]
+    if missing:
+        raise DFlashSetupError(
+            f"vllm-dflash with LoRA needs the target's base embedding and lm_head, but "
+            f"{type(model).__name__} has no {', '.join(missing)}. Run without --enable-lora, or "
+            f"set {IMPL_ENV}=vllm."
+        )
+    embed_tokens, lm_head = base(inner.embed_tokens), base(model.lm_head)
+    logits_processor = base(model.logits_processor)
+    return embed_tokens, lambda hidden: logits_processor(lm_head, hidden)
 
 
 def runner_name(runner: object) -> str:

@@ -233,7 +233,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
         self.drafter = load_drafter(
             self.draft_model_config.model, dtype=self.dtype, device=self.device
         ).eval()
-        self.target = target_model
+        self.embed, self.logits = plugin.target_head(
+            target_model, lora=self.vllm_config.lora_config is not None)
         self.kv_weight = self.drafter.kv_weight()
         self.k_norm_weight = self.drafter.k_norm_weight()
         self.cos_sin_cache = self.drafter.rope_cache(self.device)
@@ -332,14 +333,14 @@ class DFlashProposer(SpecDecodeBaseProposer):
         block_ids = self.mask_ids[:num_reqs].clone()
         block_ids[:, 0] = anchor_ids
         positions = (batch.context_lens[:, None] + self.block_offsets).flatten().long()
-        embeds = self.target.embed_input_ids(block_ids.flatten())
+        embeds = self.embed(block_ids.flatten())
         if self.dflash_config.input_embedding_scale != 1.0:  # a full pass over the embeddings
             embeds = embeds * self.dflash_config.input_embedding_scale
         hidden = self.drafter(embeds.to(self.dtype), positions, self.paged_attend(batch))
         hidden = hidden.view(num_reqs, self.block_len, -1)[:, 1 : 1 + num_draft].flatten(0, 1)
         # Greedy drafts: output_multiplier and softcapping are monotonic, so the argmax of the
         # target's logits is the drafter's argmax.
-        logits = self.target.compute_logits(hidden)
+        logits = self.logits(hidden)
         return argmax_rows(logits).view(num_reqs, num_draft)
 
     def paged_attend(self, batch: DraftBatch) -> Attend:
