@@ -1,0 +1,88 @@
+"""Tensor parallelism (2 ranks, vLLM's CPU build): every rank runs the whole drafter on the
+target's replicated hidden states; the target's embedding and lm_head stay sharded. Greedy
+output equals the 2-rank engine's without speculation, drafts are accepted, and seeded
+sampling is reproducible.
+
+Worker processes are spawned, so the engines run in a script of their own (this file)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PAIR_DIR = REPO / "tests" / "fixtures" / "pair"
+MAX_NEW_TOKENS = 64
+
+
+def _rank_cores() -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for two ranks: a core each where there are two."""
+    cores = sorted(os.sched_getaffinity(0))
+    return f"{cores[0]}|{cores[1 % len(cores)]}"
+
+
+def run_engines() -> dict:
+    """Script entry: both engines' outputs and the speculative one's metrics."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from tests.engines import Pair, dflash_llm, generate_ids, plain_llm, spec_metrics
+
+    tokenizer = AutoTokenizer.from_pretrained(PAIR_DIR / "target")
+    lines = (PAIR_DIR / "heldout_prompts.jsonl").read_text().splitlines()
+    prompts = [{"prompt_token_ids": tokenizer(json.loads(line)["prompt"])["input_ids"]}
+               for line in lines]
+    parallel = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    greedy = {"max_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
+
+    llm = plain_llm(PAIR_DIR / "target", **parallel)
+    result = {"plain": generate_ids(llm, prompts, **greedy)}
+    del llm
+    pair = Pair(target=PAIR_DIR / "target", drafter=PAIR_DIR / "drafter", block_size=8)
+    llm = dflash_llm(pair, pair.block_size - 1, **parallel)
+    result["dflash"] = generate_ids(llm, prompts, **greedy)
+    result["alone"] = [generate_ids(llm, [p], **greedy)[0] for p in prompts[:4]]
+    result["metrics"] = spec_metrics(llm)
+    seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, **greedy)
+              for i in range(len(prompts))]
+    result["seeded"] = [[list(o.outputs[0].token_ids)
+                         for o in llm.generate(prompts, seeded, use_tqdm=False)]
+                        for _ in range(2)]
+    del llm
+    return result
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("tensor_parallel") / "result.json"
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=pythonpath, VLLM_CPU_OMP_THREADS_BIND=_rank_cores(),
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-5000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+def test_greedy_equals_no_speculation_with_two_ranks(engines):
+    assert engines["dflash"] == engines["plain"]
+    assert engines["alone"] == engines["plain"][:4]
+
+
+def test_drafts_are_accepted_with_two_ranks(engines):
+    metrics = engines["metrics"]
+    assert metrics["drafts"] > 0 and metrics["draft_tokens"] == 7 * metrics["drafts"], metrics
+    assert 1 + metrics["accepted"] / metrics["drafts"] >= 2.5, metrics
+
+
+def test_seeded_sampling_is_reproducible_with_two_ranks(engines):
+    first, again = engines["seeded"]
+    assert first == again
+    assert first != engines["plain"]
+
+
+if __name__ == "__main__":
+    Path(sys.argv[1]).write_text(json.dumps(run_engines()))
