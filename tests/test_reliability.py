@@ -152,11 +152,11 @@ import psutil
 from vllm import LLM
 
 target, cases = sys.argv[1], json.loads(sys.argv[2])
-for name, spec in cases.items():
+for name, engine_args in cases.items():
     error = ""
     try:
-        LLM(model=target, speculative_config=spec, enforce_eager=True, dtype="float32",
-            max_model_len=512)
+        LLM(model=target, enforce_eager=True, dtype="float32", max_model_len=512,
+            **engine_args)
     except Exception as err:
         texts = []
         while err is not None:
@@ -169,8 +169,9 @@ for name, spec in cases.items():
 """
 
 
-def bad_drafters(pair: Pair, root: Path) -> dict[str, dict]:
-    """Each bad speculative config, with its drafter directory built under root."""
+def bad_configs(pair: Pair, root: Path) -> dict[str, dict]:
+    """LLM() arguments of each bad configuration, with its drafter directory built under
+    root."""
     no_config = root / "no_config"
     shutil.copytree(pair.drafter, no_config)
     (no_config / "config.json").unlink()
@@ -188,7 +189,8 @@ def bad_drafters(pair: Pair, root: Path) -> dict[str, dict]:
     wrong_shape = corrupted_copy(pair.drafter, root / "wrong_shape", shrink)
 
     def spec(drafter, k=3):
-        return {"method": "dflash", "model": str(drafter), "num_speculative_tokens": k}
+        config = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": k}
+        return {"speculative_config": config}
 
     return {
         "drafter dir missing": spec(root / "does_not_exist"),
@@ -198,7 +200,10 @@ def bad_drafters(pair: Pair, root: Path) -> dict[str, dict]:
         "weight wrong shape": spec(wrong_shape),
         "num_speculative_tokens 0": spec(pair.drafter, 0),
         "num_speculative_tokens negative": spec(pair.drafter, -2),
-        "dflash without model": {"method": "dflash", "num_speculative_tokens": 3},
+        "dflash without model": {
+            "speculative_config": {"method": "dflash", "num_speculative_tokens": 3}},
+        "pipeline parallel": {**spec(pair.drafter), "pipeline_parallel_size": 2,
+                              "distributed_executor_backend": "mp"},
     }
 
 
@@ -217,12 +222,14 @@ BAD_CONFIG_WORDS = {
         "num_speculative_tokens", "greater than 0", "input_value=-2",
     ],
     "dflash without model": ['method "dflash"', 'no "model"', "drafter checkpoint"],
+    "pipeline parallel": ["pipeline parallelism", "pipeline_parallel_size=2",
+                          "--tensor-parallel-size"],
 }
 
 
 @pytest.fixture(scope="module")
 def bad_config_results(random_pair, tmp_path_factory) -> dict[str, dict]:
-    cases = bad_drafters(random_pair, tmp_path_factory.mktemp("bad"))
+    cases = bad_configs(random_pair, tmp_path_factory.mktemp("bad"))
     assert sorted(cases) == sorted(BAD_CONFIG_WORDS)
     results = run_python(BAD_CONFIG_SCRIPT, str(random_pair.target), json.dumps(cases),
                          VLLM_ENABLE_V1_MULTIPROCESSING="1")

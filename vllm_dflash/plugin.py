@@ -124,6 +124,14 @@ def _patch_engine_args() -> None:
         config = create(self, target_model_config, target_parallel_config)
         if config is not None and config.method == "dflash":
             draft_length_mode()
+            stages = target_parallel_config.pipeline_parallel_size
+            if stages > 1:
+                raise DFlashSetupError(
+                    f'method "dflash" does not run with pipeline parallelism in vLLM 0.32 '
+                    f"(pipeline_parallel_size={stages}: the first stage has no drafter, as for "
+                    "vLLM's in-tree DFlash); use tensor parallelism (--tensor-parallel-size) "
+                    "instead."
+                )
             from pathlib import Path
 
             from vllm_dflash.proposer import check_weight_shapes, validate_speculative_config
