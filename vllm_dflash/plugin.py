@@ -379,9 +379,10 @@ def target_head(target: torch.nn.Module, lora: bool) -> tuple[Callable, Callable
 
     model = target.get_language_model() if hasattr(target, "get_language_model") else target
     inner = getattr(model, "model", None)
-    missing = [name for name, owner in (("model.embed_tokens", inner), ("lm_head", model),
-                                        ("logits_processor", model))
-               if not hasattr(owner, name.split(".")[-1])]
+    found = {"model.embed_tokens": hasattr(inner, "embed_tokens"),
+             "lm_head": hasattr(model, "lm_head"),
+             "logits_processor": hasattr(model, "logits_processor")}
+    missing = [name for name, present in found.items() if not present]
     if missing:
         raise DFlashSetupError(
             f"vllm-dflash with LoRA needs the target's base embedding and lm_head, but "
