@@ -80,6 +80,13 @@ def prompts_of_lengths(target: Path, lengths: tuple[int, ...], seed: int = 0) ->
     ]
 
 
+def two_rank_cores() -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for two ranks of vLLM's CPU build: a core each where there are
+    two."""
+    cores = sorted(os.sched_getaffinity(0))
+    return f"{cores[0]}|{cores[1 % len(cores)]}"
+
+
 def generate_ids(llm, prompts: list, **params) -> list[list[int]]:
     from vllm import SamplingParams
 

@@ -26,7 +26,8 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: str, speculative_config: dict | None, log_path: str) -> None:
+    def __init__(self, model: str, speculative_config: dict | None, log_path: str,
+                 extra_args: tuple[str, ...] = (), extra_env: dict | None = None) -> None:
         self.port = free_port()
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
@@ -35,8 +36,9 @@ class Server:
         ]
         if speculative_config:
             cmd += ["--speculative-config", json.dumps(speculative_config)]
+        cmd += extra_args
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-               "OMP_NUM_THREADS": "1"}
+               "OMP_NUM_THREADS": "1", **(extra_env or {})}
         self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{self.port}"

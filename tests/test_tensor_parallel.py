@@ -13,15 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.engines import two_rank_cores
+
 REPO = Path(__file__).resolve().parent.parent
 PAIR_DIR = REPO / "tests" / "fixtures" / "pair"
 MAX_NEW_TOKENS = 64
-
-
-def _rank_cores() -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for two ranks: a core each where there are two."""
-    cores = sorted(os.sched_getaffinity(0))
-    return f"{cores[0]}|{cores[1 % len(cores)]}"
 
 
 def run_engines() -> dict:
@@ -59,7 +55,7 @@ def run_engines() -> dict:
 def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("tensor_parallel") / "result.json"
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=pythonpath, VLLM_CPU_OMP_THREADS_BIND=_rank_cores(),
+    env = dict(os.environ, PYTHONPATH=pythonpath, VLLM_CPU_OMP_THREADS_BIND=two_rank_cores(),
                VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, __file__, str(out)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=900, check=False)
