@@ -81,7 +81,8 @@ def test_start_up_check_loads_a_hub_drafter_and_refuses_another_revision(
     def spec(revision: str | None) -> SimpleNamespace:
         draft = SimpleNamespace(model="org/name", revision=revision)
         return SimpleNamespace(draft_model_config=draft, num_speculative_tokens=7,
-                               draft_sample_method="greedy")
+                               draft_sample_method="greedy",
+                               disable_padded_drafter_batch=False)
 
     # The tiny target the drafter was made for (write_random_target's defaults).
     target = SimpleNamespace(get_hidden_size=lambda: 256, get_vocab_size=lambda: 1024,

@@ -82,6 +82,14 @@ def test_probabilistic_drafts_fail_startup(pair):
     assert "draft_sample_method='probabilistic'" in text and "remove draft_sample_method" in text
 
 
+def test_unpadded_drafter_batch_fails_startup(pair):
+    with pytest.raises(Exception) as excinfo:
+        dflash_llm(pair, 3, speculative={"disable_padded_drafter_batch": True})
+    text = error_text(excinfo)
+    assert "disable_padded_drafter_batch=True" in text, text
+    assert "remove disable_padded_drafter_batch" in text, text
+
+
 def test_model_runner_v2_is_refused(monkeypatch):
     from vllm_dflash.plugin import DFlashSetupError, require_v1_runner
 

@@ -112,6 +112,21 @@ class DraftKVBackend(AttentionBackend):
         return DraftKVMetadataBuilder
 
 
+class PromptEmbedsAnchor:
+    """A request as vLLM reads its fallback anchor: the last token before this step, for a
+    request whose sampled token is discarded (a prefill chunk). A prompt given as embeddings
+    has no token ids there and vLLM raises; the stand-in id replaces them. That anchor only
+    starts drafts that are discarded: any other request anchors on the token it sampled."""
+
+    def __init__(self, request: Any, stand_in: int) -> None:
+        self.request, self.stand_in = request, stand_in
+
+    def get_token_id(self, idx: int) -> int:
+        if self.request.prompt_token_ids is None and idx < self.request.num_prompt_tokens:
+            return self.stand_in
+        return self.request.get_token_id(idx)
+
+
 def load_validated_config(vllm_config: VllmConfig) -> DFlashConfig:
     """Parse the drafter's config and check it against the target before any weight loads."""
     return validate_speculative_config(vllm_config.speculative_config, vllm_config.model_config)
@@ -154,6 +169,12 @@ def validate_speculative_config(spec: Any, target: Any) -> DFlashConfig:
             f"draft_sample_method={spec.draft_sample_method!r}: vllm-dflash proposes greedy "
             "drafts; remove draft_sample_method from --speculative-config (sampling requests "
             "stay exactly distribution-preserving with greedy drafts)."
+        )
+    if spec.disable_padded_drafter_batch:
+        raise DFlashConfigError(
+            "disable_padded_drafter_batch=True: vllm-dflash drafts the padded batch (every "
+            "request's block in one pass, rejected tokens masked on the device); remove "
+            "disable_padded_drafter_batch from --speculative-config."
         )
     return cfg
 
@@ -269,6 +290,17 @@ class DFlashProposer(SpecDecodeBaseProposer):
         self.block_size = kv_cache_config.kv_cache_groups[self.kv_cache_gid].kv_cache_spec.block_size
 
     # ---- per step -----------------------------------------------------------------------
+
+    def prepare_next_token_ids_padded(
+        self, sampled_token_ids: torch.Tensor, requests: dict[str, Any], input_batch: Any,
+        discard_request_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.vllm_config.model_config.enable_prompt_embeds:
+            mask_id = self.dflash_config.mask_token_id
+            requests = {req_id: PromptEmbedsAnchor(state, mask_id)
+                        for req_id, state in requests.items()}
+        return super().prepare_next_token_ids_padded(
+            sampled_token_ids, requests, input_batch, discard_request_mask)
 
     @torch.inference_mode()
     def propose(
