@@ -90,6 +90,24 @@ def test_unpadded_drafter_batch_fails_startup(pair):
     assert "remove disable_padded_drafter_batch" in text, text
 
 
+def test_target_without_intermediate_hidden_states_fails_startup(pair, tmp_path):
+    # GPT-2 has no aux-hidden-state interface in vLLM 0.32; widths match the drafter's target.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    target = tmp_path / "gpt2"
+    config = GPT2Config(vocab_size=1024, n_positions=4096, n_embd=256, n_layer=4, n_head=4,
+                        bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(target)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(pair.target / name, target / name)
+    gpt2_pair = type(pair)(target=target, drafter=pair.drafter, block_size=pair.block_size)
+    with pytest.raises(Exception) as excinfo:
+        dflash_llm(gpt2_pair, 3)
+    text = error_text(excinfo)
+    assert "target GPT2LMHeadModel does not return the hidden states" in text, text
+    assert "fix: use a target architecture" in text, text
+
+
 def test_model_runner_v2_is_refused(monkeypatch):
     from vllm_dflash.plugin import DFlashSetupError, require_v1_runner
 

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.models.interfaces import supports_eagle3
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -250,6 +251,13 @@ class DFlashProposer(SpecDecodeBaseProposer):
     # ---- set-up -------------------------------------------------------------------------
 
     def load_model(self, target_model: torch.nn.Module) -> None:
+        if not supports_eagle3(target_model):  # checked before vLLM asks for those features
+            raise DFlashConfigError(
+                f"the target {type(target_model).__name__} does not return the hidden states "
+                "of its intermediate layers, which a DFlash drafter reads (vLLM's "
+                "SupportsEagle3 interface); fix: use a target architecture that implements "
+                "it, such as Qwen3ForCausalLM, Qwen2ForCausalLM or LlamaForCausalLM."
+            )
         cfg = self.dflash_config
         self.drafter = load_drafter(
             self.draft_model_config.model, dtype=self.dtype, device=self.device
