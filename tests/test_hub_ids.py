@@ -79,7 +79,7 @@ def test_start_up_check_loads_a_hub_drafter_and_refuses_another_revision(
     from vllm_dflash.proposer import validate_speculative_config
 
     def spec(revision: str | None) -> SimpleNamespace:
-        draft = SimpleNamespace(model="org/name", revision=revision)
+        draft = SimpleNamespace(model="org/name", revision=revision, quantization=None)
         return SimpleNamespace(draft_model_config=draft, num_speculative_tokens=7,
                                draft_sample_method="greedy",
                                disable_padded_drafter_batch=False)

@@ -90,6 +90,13 @@ def test_unpadded_drafter_batch_fails_startup(pair):
     assert "remove disable_padded_drafter_batch" in text, text
 
 
+def test_drafter_quantization_fails_startup(pair):
+    with pytest.raises(Exception) as excinfo:
+        dflash_llm(pair, 3, speculative={"quantization": "fp8"})
+    text = error_text(excinfo)
+    assert "quantization='fp8' for the drafter" in text and "fix: remove quantization" in text
+
+
 def test_target_without_intermediate_hidden_states_fails_startup(pair, tmp_path):
     # GPT-2 has no aux-hidden-state interface in vLLM 0.32; widths match the drafter's target.
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -171,6 +171,13 @@ def validate_speculative_config(spec: Any, target: Any) -> DFlashConfig:
             "drafts; remove draft_sample_method from --speculative-config (sampling requests "
             "stay exactly distribution-preserving with greedy drafts)."
         )
+    if draft.quantization is not None:
+        raise DFlashConfigError(
+            f"quantization={draft.quantization!r} for the drafter: vllm-dflash runs the drafter "
+            "unquantized, in the target's dtype; fix: remove quantization from "
+            "--speculative-config (the target's own --quantization is unaffected) or use an "
+            "unquantized drafter checkpoint."
+        )
     if spec.disable_padded_drafter_batch:
         raise DFlashConfigError(
             "disable_padded_drafter_batch=True: vllm-dflash drafts the padded batch (every "
