@@ -120,6 +120,9 @@ def test_parse_errors() -> None:
     del d["dflash_config"]["mask_token_id"]
     with pytest.raises(DFlashConfigError, match="missing mask_token_id \\(in dflash_config.*fix"):
         DFlashConfig.from_dict(d)
+    d = qwen3_8b_b16() | {"architectures": ["DFlash2DraftModel"]}
+    with pytest.raises(DFlashConfigError, match="'DFlash2DraftModel'.*not supported.*fix"):
+        DFlashConfig.from_dict(d)
     d = qwen3_8b_b16() | {"rope_scaling": {"type": "yarn", "factor": 4.0}}
     with pytest.raises(DFlashConfigError, match="rope_scaling.rope_type is 'yarn'.*fix"):
         DFlashConfig.from_dict(d)

@@ -26,6 +26,11 @@ class DFlashConfigError(ValueError):
     """A drafter config or checkpoint that cannot work; the message names the field and the fix."""
 
 
+# Drafters that vLLM also runs as method "dflash", with a candidate head and layers this drafter
+# does not have.
+OTHER_DRAFT_ARCHITECTURES = {"DFlash2DraftModel", "LiLiCorrDraftModel"}
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Map 'bf16' / 'bfloat16' / torch.bfloat16 (and fp16, fp32 alike) to a torch dtype."""
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
@@ -109,6 +114,12 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
+        other = set(d.get("architectures") or ()) & OTHER_DRAFT_ARCHITECTURES
+        if other:
+            raise DFlashConfigError(
+                f"architectures {sorted(other)}: drafters with a candidate head are not "
+                "supported by vllm-dflash yet; fix: use a DFlashDraftModel checkpoint"
+            )
         dc = d.get("dflash_config")
         if not isinstance(dc, dict):
             raise DFlashConfigError(
