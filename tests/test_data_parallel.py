@@ -4,14 +4,13 @@ with the busy one). Greedy text equals a server's without speculation, both engi
 accept, and seeded sampling gives the same text whichever engine serves it."""
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from tests.engines import two_rank_cores
-from tests.test_serve import START_TIMEOUT_S, Server, server_model
+from tests.test_serve import Server, running, server_model
 
 PAIR_DIR = Path(__file__).resolve().parent / "fixtures" / "pair"
 MAX_NEW_TOKENS = 64
@@ -21,20 +20,14 @@ MAX_NEW_TOKENS = 64
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("data_parallel")
     spec = {"method": "dflash", "model": str(PAIR_DIR / "drafter"), "num_speculative_tokens": 7}
-    started = [
+    servers = [
         Server(str(PAIR_DIR / "target"), None, str(root / "plain.log")),
         Server(str(PAIR_DIR / "target"), spec, str(root / "dflash.log"),
                extra_args=("--data-parallel-size", "2"),
                extra_env={"VLLM_CPU_OMP_THREADS_BIND": two_rank_cores()}),
     ]
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for server in started:
-            server.wait_ready(deadline)
-        yield started
-    finally:
-        for server in started:
-            server.stop()
+    with running(servers):
+        yield servers
 
 
 def prompts() -> list[str]:

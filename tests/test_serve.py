@@ -9,7 +9,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -76,19 +76,23 @@ class Server:
 
 
 @contextmanager
-def plain_and_dflash_servers(root: Path, pair: Pair) -> Iterator[list[Server]]:
-    """A server without speculation and one with the plugin (K=7), started side by side."""
-    spec = {"method": "dflash", "model": str(pair.drafter), "num_speculative_tokens": 7}
-    started = [Server(str(pair.target), None, str(root / "plain.log")),
-               Server(str(pair.target), spec, str(root / "dflash.log"))]
+def running(servers: list[Server]) -> Iterator[list[Server]]:
+    """Servers launched side by side: ready on entry, stopped on exit."""
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        for server in started:
+        for server in servers:
             server.wait_ready(deadline)
-        yield started
+        yield servers
     finally:
-        for server in started:
+        for server in servers:
             server.stop()
+
+
+def plain_and_dflash_servers(root: Path, pair: Pair) -> AbstractContextManager[list[Server]]:
+    """A server without speculation and one with the plugin (K=7), started side by side."""
+    spec = {"method": "dflash", "model": str(pair.drafter), "num_speculative_tokens": 7}
+    return running([Server(str(pair.target), None, str(root / "plain.log")),
+                    Server(str(pair.target), spec, str(root / "dflash.log"))])
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,21 @@
 """Targets of other architectures than Qwen3 (random weights, the tiny tokenizer): vLLM's model
 classes capture the drafter's features and expose the embedding and lm_head the drafter uses,
-so greedy output equals no speculation for a mixture-of-experts Qwen3, Qwen2 and Llama."""
+so greedy output equals no speculation for a mixture-of-experts Qwen3, Qwen2 and Llama.
 
+The engines run in a script of their own (this file): vLLM sets up a mixture-of-experts
+model's expert-parallel group only in a process whose distributed state is still fresh."""
+
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.engines import Pair, dflash_llm, generate_ids, plain_llm, prompts_of_lengths
-
+REPO = Path(__file__).resolve().parent.parent
+FAMILIES = ("qwen3_moe", "qwen2", "llama")
 WIDTHS = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512,
           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
           "max_position_embeddings": 4096, "tie_word_embeddings": False}
@@ -27,10 +34,11 @@ def hf_config(family: str, eos_id: int):
     return transformers.LlamaConfig(**WIDTHS, **ids, head_dim=64)
 
 
-def write_pair(root: Path, family: str) -> Pair:
-    """A random target of `family` with the tiny Qwen3 target's tokenizer, and a drafter."""
+def write_pair(root: Path, family: str):
+    """A random target of `family` with a tiny tokenizer, and a random drafter for it."""
     from transformers import AutoModelForCausalLM
 
+    from tests.engines import Pair
     from vllm_dflash.tiny import EOS_TOKEN, default_texts, write_random_drafter, write_tokenizer
 
     target = root / family
@@ -42,13 +50,41 @@ def write_pair(root: Path, family: str) -> Pair:
     return Pair(target=target, drafter=root / f"{family}_drafter", block_size=8)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2", "llama"])
-def test_greedy_equals_no_speculation(tmp_path, family):
-    pair = write_pair(tmp_path, family)
-    prompts = prompts_of_lengths(pair.target, (1, 7, 40, 130))
+def run_engines(root: Path) -> dict:
+    """Script entry: per family, the outputs without and with speculation."""
+    from tests.engines import dflash_llm, generate_ids, plain_llm, prompts_of_lengths
+
     greedy = {"max_tokens": 40, "ignore_eos": True}
-    llm = plain_llm(pair.target)
-    want = generate_ids(llm, prompts, **greedy)
-    del llm
-    llm = dflash_llm(pair, pair.block_size - 1)
-    assert generate_ids(llm, prompts, **greedy) == want
+    result = {}
+    for family in FAMILIES:
+        pair = write_pair(root, family)
+        prompts = prompts_of_lengths(pair.target, (1, 7, 40, 130))
+        llm = plain_llm(pair.target)
+        result[family] = {"plain": generate_ids(llm, prompts, **greedy)}
+        del llm
+        llm = dflash_llm(pair, pair.block_size - 1)
+        result[family]["dflash"] = generate_ids(llm, prompts, **greedy)
+        del llm
+    return result
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("families")
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, __file__, str(root)],
+                          env=dict(os.environ, PYTHONPATH=pythonpath), cwd=REPO,
+                          capture_output=True, text=True, timeout=900, check=False)
+    out = root / "result.json"
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-5000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_no_speculation(outputs, family):
+    assert outputs[family]["dflash"] == outputs[family]["plain"]
+
+
+if __name__ == "__main__":
+    root = Path(sys.argv[1])
+    (root / "result.json").write_text(json.dumps(run_engines(root)))
