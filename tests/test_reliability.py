@@ -204,6 +204,8 @@ def bad_configs(pair: Pair, root: Path) -> dict[str, dict]:
             "speculative_config": {"method": "dflash", "num_speculative_tokens": 3}},
         "pipeline parallel": {**spec(pair.drafter), "pipeline_parallel_size": 2,
                               "distributed_executor_backend": "mp"},
+        "dflash drafter as draft_model": {"speculative_config": {
+            "method": "draft_model", "model": str(pair.drafter), "num_speculative_tokens": 3}},
     }
 
 
@@ -224,6 +226,8 @@ BAD_CONFIG_WORDS = {
     "dflash without model": ['method "dflash"', 'no "model"', "drafter checkpoint"],
     "pipeline parallel": ["pipeline parallelism", "pipeline_parallel_size=2",
                           "--tensor-parallel-size"],
+    "dflash drafter as draft_model": ["is a DFlash drafter (DFlashDraftModel)",
+                                      'method "draft_model"', 'set "method": "dflash"'],
 }
 
 
@@ -247,6 +251,19 @@ def test_bad_config_fails_startup_clearly_with_no_engine_left(bad_config_results
     # left running and the message is the exception itself, not "see root cause above".
     assert "Engine core initialization failed" not in error, error
     assert result["children"] == []
+
+
+def test_a_dflash_drafter_without_method_runs_as_dflash(random_pair):
+    # vLLM names the method by the drafter's path ("dflash" in it), else "draft_model".
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_dflash import plugin
+
+    plugin.register()
+    spec = {"model": str(random_pair.drafter), "num_speculative_tokens": 3}
+    assert "dflash" not in str(random_pair.drafter).lower()
+    args = EngineArgs(model=str(random_pair.target), speculative_config=spec, max_model_len=512)
+    assert args.create_engine_config().speculative_config.method == "dflash"
 
 
 def test_selected_implementation(monkeypatch):

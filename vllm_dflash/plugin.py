@@ -114,7 +114,22 @@ def _patch_engine_args() -> None:
     def create_speculative_config(self, target_model_config, target_parallel_config):
         spec = self.speculative_config if isinstance(self.speculative_config, dict) else {}
         method = self.spec_method or spec.get("method")
-        if method == "dflash" and not (self.spec_model or spec.get("model")):
+        model = self.spec_model or spec.get("model")
+        if method in (None, "draft_model") and is_dflash_checkpoint(model):
+            # vLLM detects "dflash" by the drafter's name only; under another name it would
+            # run this drafter as a plain draft model, whose drafts are never accepted.
+            if method == "draft_model":
+                raise DFlashSetupError(
+                    f'{model!r} is a DFlash drafter (DFlashDraftModel), but the speculative '
+                    'config has method "draft_model"; set "method": "dflash".'
+                )
+            logger.info("vllm-dflash: %s is a DFlash drafter; method \"dflash\"", model)
+            method = "dflash"
+            if self.speculative_config is None:
+                self.spec_method = method
+            else:
+                self.speculative_config = {**spec, "method": method}
+        if method == "dflash" and not model:
             raise DFlashSetupError(
                 'speculative config has method "dflash" but no "model"; set "model" to the '
                 "DFlash drafter checkpoint (a directory with config.json and *.safetensors, or "
@@ -144,6 +159,17 @@ def _patch_engine_args() -> None:
 
     create_speculative_config.vllm_dflash = True
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+def is_dflash_checkpoint(model: str | None) -> bool:
+    """Whether `model` is a local directory whose config.json names DFlashDraftModel."""
+    import json
+    from pathlib import Path
+
+    config = Path(model or "") / "config.json"
+    if not config.is_file():
+        return False
+    return "DFlashDraftModel" in (json.loads(config.read_text()).get("architectures") or ())
 
 
 def _patch_engine_core() -> None:
