@@ -234,3 +234,16 @@ def test_dense_attend_shared_mask_is_plain_attention() -> None:
     values = torch.cat([context[1][1], v]).repeat_interleave(2, dim=1)
     weights = F.softmax(torch.einsum("qhd,khd->hqk", q, keys) * 0.5, dim=-1)
     torch.testing.assert_close(attend(1, q, k, v), torch.einsum("hqk,khd->qhd", weights, values))
+
+
+def test_rope_cache_grows_past_the_trained_positions(make_config) -> None:
+    # Blocks near max_model_len draft past max_position_embeddings (their drafts are never
+    # verified); the table grows and keeps its trained rows.
+    drafter = random_drafter(make_config(max_position_embeddings=64))
+    cpu = torch.device("cpu")
+    trained = drafter.rope_cache(cpu).clone()
+    assert trained.shape[0] == 64
+    grown = drafter.rope_cache(cpu, min_positions=80)
+    assert grown.shape[0] == 80
+    torch.testing.assert_close(grown[:64], trained, **EXACT)
+    assert drafter.rope_cache(cpu) is grown  # later calls without a minimum keep it

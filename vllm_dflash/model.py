@@ -102,13 +102,14 @@ class DFlashDrafter(nn.Module):
         # on the meta device get its table on first use.
         self._cos_sin: torch.Tensor | None = None
 
-    def rope_cache(self, device: torch.device) -> torch.Tensor:
-        """[max_position_embeddings, head_dim] fp32 cos|sin table, built on first use."""
-        if self._cos_sin is None or self._cos_sin.device != device:
-            cfg = self.cfg
-            self._cos_sin = rope_cos_sin_cache(
-                cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device
-            )
+    def rope_cache(self, device: torch.device, min_positions: int = 0) -> torch.Tensor:
+        """[P, head_dim] fp32 cos|sin table, P = max(max_position_embeddings, min_positions),
+        built on first use and rebuilt larger when asked for more positions."""
+        cfg = self.cfg
+        positions = max(cfg.max_position_embeddings, min_positions)
+        table = self._cos_sin
+        if table is None or table.device != device or table.shape[0] < positions:
+            self._cos_sin = rope_cos_sin_cache(cfg.head_dim, positions, cfg.rope_theta, device)
         return self._cos_sin
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:

@@ -158,13 +158,6 @@ def validate_speculative_config(spec: Any, target: Any) -> DFlashConfig:
         num_speculative_tokens=spec.num_speculative_tokens,
         dtype=target.dtype,
     )
-    longest = target.max_model_len + cfg.block_size
-    if longest > cfg.max_position_embeddings:
-        raise DFlashConfigError(
-            f"max_model_len={target.max_model_len} plus block_size={cfg.block_size} exceeds the "
-            f"drafter's max_position_embeddings={cfg.max_position_embeddings}; pass "
-            f"--max-model-len {cfg.max_position_embeddings - cfg.block_size} or less."
-        )
     if spec.draft_sample_method != "greedy":
         raise DFlashConfigError(
             f"draft_sample_method={spec.draft_sample_method!r}: vllm-dflash proposes greedy "
@@ -273,7 +266,11 @@ class DFlashProposer(SpecDecodeBaseProposer):
             target_model, lora=self.vllm_config.lora_config is not None)
         self.kv_weight = self.drafter.kv_weight()
         self.k_norm_weight = self.drafter.k_norm_weight()
-        self.cos_sin_cache = self.drafter.rope_cache(self.device)
+        # A block starts at most at max_model_len; the drafts past it are never verified, but
+        # their positions need RoPE rows (the usual max_model_len is the drafter's trained
+        # max_position_embeddings).
+        self.cos_sin_cache = self.drafter.rope_cache(
+            self.device, min_positions=self.max_model_len + self.block_len)
         self.mask_ids = torch.full(
             (self.max_batch_size, self.block_len), cfg.mask_token_id,
             dtype=torch.int32, device=self.device,
