@@ -1,4 +1,5 @@
-"""DFlashConfig parsing/validation and checkpoint load/save errors (no vLLM import)."""
+"""DFlashConfig parsing/validation and checkpoint load/save errors (vLLM imported by one test
+only, for the start-up check)."""
 
 import json
 from dataclasses import replace
@@ -272,3 +273,21 @@ def test_tiny_models(tmp_path: Path) -> None:
         fc_in_features=drafter.fc.weight.shape[1],
         dtype=target["dtype"],
     )
+
+
+def test_qwen3_8b_drafter_starts_with_qwen3_8b_defaults(tmp_path: Path) -> None:
+    # `vllm serve Qwen/Qwen3-8B --speculative-config {... z-lab/Qwen3-8B-DFlash-b16, K=15}`:
+    # max_model_len defaults to Qwen3-8B's 40960, the drafter's max_position_embeddings too.
+    from types import SimpleNamespace
+
+    from vllm_dflash.proposer import validate_speculative_config
+
+    (tmp_path / "config.json").write_text(json.dumps(qwen3_8b_b16()))
+    draft = SimpleNamespace(model=str(tmp_path), revision=None, quantization=None)
+    spec = SimpleNamespace(draft_model_config=draft, num_speculative_tokens=15,
+                           draft_sample_method="greedy", disable_padded_drafter_batch=False)
+    target = SimpleNamespace(get_hidden_size=lambda: 4096, get_vocab_size=lambda: 151936,
+                             hf_text_config=SimpleNamespace(num_hidden_layers=36),
+                             dtype=torch.bfloat16, max_model_len=40960)
+    cfg = validate_speculative_config(spec, target)
+    assert cfg.block_size == 16 and cfg.target_layer_ids == [1, 9, 17, 25, 33]
