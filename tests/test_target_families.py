@@ -1,6 +1,7 @@
 """Targets of other architectures than Qwen3 (random weights, the tiny tokenizer): vLLM's model
 classes capture the drafter's features and expose the embedding and lm_head the drafter uses,
-so greedy output equals no speculation for a mixture-of-experts Qwen3, Qwen2 and Llama.
+so greedy output equals no speculation for a mixture-of-experts Qwen3, a Qwen3 whose lm_head is
+its embedding (tied, as in the small Qwen3 models), Qwen2 and Llama.
 
 The engines run in a script of their own (this file): vLLM sets up a mixture-of-experts
 model's expert-parallel group only in a process whose distributed state is still fresh."""
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-FAMILIES = ("qwen3_moe", "qwen2", "llama")
+FAMILIES = ("qwen3_moe", "qwen3_tied", "qwen2", "llama")
 WIDTHS = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512,
           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
           "max_position_embeddings": 4096, "tie_word_embeddings": False}
@@ -29,6 +30,9 @@ def hf_config(family: str, eos_id: int):
         return transformers.Qwen3MoeConfig(
             **WIDTHS, **ids, head_dim=64, num_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=128, decoder_sparse_step=1, norm_topk_prob=True)
+    if family == "qwen3_tied":
+        return transformers.Qwen3Config(**(WIDTHS | {"tie_word_embeddings": True}), **ids,
+                                        head_dim=64)
     if family == "qwen2":
         return transformers.Qwen2Config(**WIDTHS, **ids)
     return transformers.LlamaConfig(**WIDTHS, **ids, head_dim=64)
