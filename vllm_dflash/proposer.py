@@ -330,6 +330,11 @@ class DFlashProposer(SpecDecodeBaseProposer):
         slot_mappings: Any = None,
     ) -> torch.Tensor:
         cad = common_attn_metadata
+        if target_positions.dim() == 2:
+            # M-RoPE targets (Qwen3-VL, Qwen3.5) give [sections, T]; a text token has its
+            # index in every section. The drafter's RoPE is 1-D: the first section, as for
+            # vLLM's drafters.
+            target_positions = target_positions[0]
         num_tokens = target_positions.shape[0]
         self.inject_context(
             target_hidden_states[:num_tokens], target_positions, cad.slot_mapping[:num_tokens]

@@ -151,9 +151,11 @@ def write_random_drafter(
     num_kv_heads: int | None = None,
     seed: int = 0,
 ) -> DFlashConfig:
-    """Random DFlash drafter for the target in target_dir (same hidden size, head_dim 64)."""
+    """Random DFlash drafter for the target in target_dir (same hidden size, head_dim 64); of a
+    multimodal target, for its language model (`text_config`)."""
     target_dir = Path(target_dir)
     target = json.loads((target_dir / "config.json").read_text())
+    target = {"dtype": target.get("dtype"), **target.get("text_config", target)}
     mask_id = Tokenizer.from_file(str(target_dir / "tokenizer.json")).token_to_id(MASK_TOKEN)
     num_heads = num_heads or target["hidden_size"] // 64
     num_kv_heads = num_kv_heads or target["num_key_value_heads"]
@@ -176,6 +178,6 @@ def write_random_drafter(
         or spread_layer_ids(target["num_hidden_layers"], num_layers),
         num_target_layers=target["num_hidden_layers"],
     )
-    drafter = random_drafter(cfg, seed).to(resolve_dtype(target.get("dtype", "float32")))
+    drafter = random_drafter(cfg, seed).to(resolve_dtype(target["dtype"] or "float32"))
     save_drafter(drafter, out_dir)
     return cfg
