@@ -155,8 +155,9 @@ target, cases = sys.argv[1], json.loads(sys.argv[2])
 for name, engine_args in cases.items():
     error = ""
     try:
-        LLM(model=target, enforce_eager=True, dtype="float32", max_model_len=512,
-            **engine_args)
+        defaults = {"model": target, "enforce_eager": True, "dtype": "float32",
+                    "max_model_len": 512}
+        LLM(**(defaults | engine_args))
     except Exception as err:
         texts = []
         while err is not None:
@@ -206,7 +207,29 @@ def bad_configs(pair: Pair, root: Path) -> dict[str, dict]:
                               "distributed_executor_backend": "mp"},
         "dflash drafter as draft_model": {"speculative_config": {
             "method": "draft_model", "model": str(pair.drafter), "num_speculative_tokens": 3}},
+        # vLLM's CPU build runs linear attention in bf16 only.
+        "hybrid target on CPU": {**spec(pair.drafter), "dtype": "bfloat16",
+                                 "model": str(write_hybrid_target(root / "hybrid", pair))},
     }
+
+
+def write_hybrid_target(out: Path, pair: Pair) -> Path:
+    """A random Qwen3-Next (linear-attention and attention layers) of the pair's widths."""
+    import transformers
+
+    config = json.loads((pair.target / "config.json").read_text())
+    widths = {key: config[key] for key in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "bos_token_id",
+        "eos_token_id")}
+    hybrid = transformers.Qwen3NextConfig(
+        **widths, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=128, shared_expert_intermediate_size=128)
+    transformers.AutoModelForCausalLM.from_config(hybrid).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(pair.target / name, out / name)
+    return out
 
 
 # Words the user must see, for each case.
@@ -228,6 +251,8 @@ BAD_CONFIG_WORDS = {
                           "--tensor-parallel-size"],
     "dflash drafter as draft_model": ["is a DFlash drafter (DFlashDraftModel)",
                                       'method "draft_model"', 'set "method": "dflash"'],
+    "hybrid target on CPU": ["Qwen3NextForCausalLM", "recurrent", "CPU build",
+                             "without --speculative-config"],
 }
 
 

@@ -147,6 +147,16 @@ def _patch_engine_args() -> None:
                     "vLLM's in-tree DFlash); use tensor parallelism (--tensor-parallel-size) "
                     "instead."
                 )
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu() and target_model_config.is_hybrid:
+                raise DFlashSetupError(
+                    f"the target {target_model_config.architecture} has recurrent (mamba / "
+                    "linear-attention) layers; with speculative decoding vLLM 0.32 copies "
+                    "their state with a Triton kernel that its CPU build lacks (the first "
+                    "request would stop the engine, for vLLM's in-tree DFlash too); run this "
+                    "target without --speculative-config on CPU."
+                )
             from pathlib import Path
 
             from vllm_dflash.proposer import check_weight_shapes, validate_speculative_config
