@@ -100,6 +100,23 @@ def _patch_runner() -> None:
 
     gpu_model_runner.DFlashProposer = DFlashProposer
 
+    # vLLM skips the drafter for the whole batch once one request is within a block of
+    # max_model_len (a drafter's own position limit). This drafter has none (its RoPE table
+    # covers max_model_len + block), and a skipped step would leave that step's tokens out of
+    # every other request's drafter context: lower acceptance for the rest of their lives.
+    runner = gpu_model_runner.GPUModelRunner
+    fits = runner._input_fits_in_drafter
+    if getattr(fits, "vllm_dflash", False):
+        return
+
+    def input_fits_in_drafter(self, common_attn_metadata) -> bool:
+        if isinstance(self.drafter, DFlashProposer):
+            return common_attn_metadata is not None
+        return fits(self, common_attn_metadata)
+
+    input_fits_in_drafter.vllm_dflash = True
+    runner._input_fits_in_drafter = input_fits_in_drafter
+
 
 def _patch_engine_args() -> None:
     # Check a `method: "dflash"` config where vLLM builds it, in the caller's process: a bad
