@@ -129,63 +129,72 @@ def _patch_engine_args() -> None:
         return
 
     def create_speculative_config(self, target_model_config, target_parallel_config):
-        spec = self.speculative_config if isinstance(self.speculative_config, dict) else {}
-        method = self.spec_method or spec.get("method")
-        model = self.spec_model or spec.get("model")
-        if method in (None, "draft_model") and is_dflash_checkpoint(model):
-            # vLLM detects "dflash" by the drafter's name only; under another name it would
-            # run this drafter as a plain draft model, whose drafts are never accepted.
-            if method == "draft_model":
-                raise DFlashSetupError(
-                    f'{model!r} is a DFlash drafter (DFlashDraftModel), but the speculative '
-                    'config has method "draft_model"; set "method": "dflash".'
-                )
-            logger.info("vllm-dflash: %s is a DFlash drafter; method \"dflash\"", model)
-            method = "dflash"
-            if self.speculative_config is None:
-                self.spec_method = method
-            else:
-                self.speculative_config = {**spec, "method": method}
-        if method == "dflash" and not model:
-            raise DFlashSetupError(
-                'speculative config has method "dflash" but no "model"; set "model" to the '
-                "DFlash drafter checkpoint (a directory with config.json and *.safetensors, or "
-                'a hub id), e.g. {"method": "dflash", "model": "z-lab/Qwen3-8B-DFlash-b16", '
-                '"num_speculative_tokens": 15}.'
-            )
+        _select_dflash_method(self)
         config = create(self, target_model_config, target_parallel_config)
         if config is not None and config.method == "dflash":
-            draft_length_mode()
-            stages = target_parallel_config.pipeline_parallel_size
-            if stages > 1:
-                raise DFlashSetupError(
-                    f'method "dflash" does not run with pipeline parallelism in vLLM 0.32 '
-                    f"(pipeline_parallel_size={stages}: the first stage has no drafter, as for "
-                    "vLLM's in-tree DFlash); use tensor parallelism (--tensor-parallel-size) "
-                    "instead."
-                )
-            from vllm.platforms import current_platform
-
-            if current_platform.is_cpu() and target_model_config.is_hybrid:
-                raise DFlashSetupError(
-                    f"the target {target_model_config.architecture} has recurrent (mamba / "
-                    "linear-attention) layers; with speculative decoding vLLM 0.32 copies "
-                    "their state with a Triton kernel that its CPU build lacks (the first "
-                    "request would stop the engine, for vLLM's in-tree DFlash too); run this "
-                    "target without --speculative-config on CPU."
-                )
-            from pathlib import Path
-
-            from vllm_dflash.proposer import check_weight_shapes, validate_speculative_config
-
-            drafter_dir = config.draft_model_config.model
-            if Path(drafter_dir).is_dir():  # anything else is left to the worker
-                cfg = validate_speculative_config(config, target_model_config)
-                check_weight_shapes(drafter_dir, cfg)
+            _check_dflash_config(config, target_model_config, target_parallel_config)
         return config
 
     create_speculative_config.vllm_dflash = True
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+def _select_dflash_method(args) -> None:
+    """EngineArgs with a DFlash drafter and no method get method "dflash"."""
+    spec = args.speculative_config if isinstance(args.speculative_config, dict) else {}
+    method = args.spec_method or spec.get("method")
+    model = args.spec_model or spec.get("model")
+    if method in (None, "draft_model") and is_dflash_checkpoint(model):
+        # vLLM detects "dflash" by the drafter's name only; under another name it would run
+        # this drafter as a plain draft model, whose drafts are never accepted.
+        if method == "draft_model":
+            raise DFlashSetupError(
+                f'{model!r} is a DFlash drafter (DFlashDraftModel), but the speculative '
+                'config has method "draft_model"; set "method": "dflash".'
+            )
+        logger.info("vllm-dflash: %s is a DFlash drafter; method \"dflash\"", model)
+        method = "dflash"
+        if args.speculative_config is None:
+            args.spec_method = method
+        else:
+            args.speculative_config = {**spec, "method": method}
+    if method == "dflash" and not model:
+        raise DFlashSetupError(
+            'speculative config has method "dflash" but no "model"; set "model" to the DFlash '
+            "drafter checkpoint (a directory with config.json and *.safetensors, or a hub id), "
+            'e.g. {"method": "dflash", "model": "z-lab/Qwen3-8B-DFlash-b16", '
+            '"num_speculative_tokens": 15}.'
+        )
+
+
+def _check_dflash_config(config, target_model_config, target_parallel_config) -> None:
+    """What would stop the engine later, or run it wrongly, as a start-up error now."""
+    from pathlib import Path
+
+    from vllm.platforms import current_platform
+
+    from vllm_dflash.proposer import check_weight_shapes, validate_speculative_config
+
+    draft_length_mode()
+    stages = target_parallel_config.pipeline_parallel_size
+    if stages > 1:
+        raise DFlashSetupError(
+            f'method "dflash" does not run with pipeline parallelism in vLLM 0.32 '
+            f"(pipeline_parallel_size={stages}: the first stage has no drafter, as for vLLM's "
+            "in-tree DFlash); use tensor parallelism (--tensor-parallel-size) instead."
+        )
+    if current_platform.is_cpu() and target_model_config.is_hybrid:
+        raise DFlashSetupError(
+            f"the target {target_model_config.architecture} has recurrent (mamba / "
+            "linear-attention) layers; with speculative decoding vLLM 0.32 copies their "
+            "state with a Triton kernel that its CPU build lacks (the first request would stop "
+            "the engine, for vLLM's in-tree DFlash too); run this target without "
+            "--speculative-config on CPU."
+        )
+    drafter_dir = config.draft_model_config.model
+    if Path(drafter_dir).is_dir():  # anything else is left to the worker
+        cfg = validate_speculative_config(config, target_model_config)
+        check_weight_shapes(drafter_dir, cfg)
 
 
 def is_dflash_checkpoint(model: str | None) -> bool:
