@@ -140,6 +140,8 @@ def paged_batch(args: argparse.Namespace, batch: int, device: torch.device) -> P
             block_table=block_table.int(),
             context_lens=torch.full((batch,), args.context, dtype=torch.int32, device=device),
             query_start_loc=torch.arange(0, batch * b + 1, b, dtype=torch.int32, device=device),
+            anchor_positions=torch.full((batch,), args.context, dtype=torch.int32,
+                                        device=device),
         ),
         anchors=torch.randint(2, args.vocab, (batch,), dtype=torch.int32, device=device),
     )
@@ -236,7 +238,7 @@ def draft_step(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head: torc
     block_ids = torch.full((num_reqs, cfg.block_size), cfg.mask_token_id, device=anchors.device)
     block_ids[:, 0] = anchors
     offsets = torch.arange(cfg.block_size, device=block_ids.device)
-    positions = (batch.context_lens[:, None] + offsets).flatten()
+    positions = (batch.anchor_positions[:, None] + offsets).flatten()
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return attention(q, k, v, caches[layer], batch.block_table, batch.context_lens,

@@ -17,7 +17,8 @@ def step(anchors: torch.Tensor, batch: DraftBatch) -> torch.Tensor:
     rows = batch.query_start_loc[:-1, None] // BLOCK_LEN
     last_block = batch.block_table.gather(1, (batch.context_lens[:, None] // 16).long())
     offsets = torch.arange(BLOCK_LEN - 1)
-    return anchors[:, None] * 1000 + batch.context_lens[:, None] * 10 + last_block + offsets + rows
+    return (anchors[:, None] * 1000 + batch.context_lens[:, None] * 10 + last_block + offsets
+            + rows + batch.anchor_positions[:, None] * 100_000)
 
 
 def inputs(n: int, width: int, seed: int) -> tuple[torch.Tensor, DraftBatch]:
@@ -27,7 +28,9 @@ def inputs(n: int, width: int, seed: int) -> tuple[torch.Tensor, DraftBatch]:
                                  dtype=torch.int32)
     block_table = torch.randint(0, 50, (n, width), generator=g, dtype=torch.int32)
     query_start_loc = torch.arange(n + 1, dtype=torch.int32) * BLOCK_LEN
-    return anchors, DraftBatch(block_table, context_lens, query_start_loc)
+    # Behind the token count, as under M-RoPE after an image.
+    anchor_positions = context_lens - torch.randint(0, 8, (n,), generator=g, dtype=torch.int32)
+    return anchors, DraftBatch(block_table, context_lens, query_start_loc, anchor_positions)
 
 
 def test_every_batch_size_gets_its_own_tokens():

@@ -29,6 +29,7 @@ class DraftGraphs:
         largest = self.sizes[-1]
         self.anchors = torch.zeros(largest, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(largest, dtype=torch.int32, device=device)
+        self.anchor_positions = torch.zeros(largest, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(largest, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.query_start_loc *= block_len
@@ -38,7 +39,7 @@ class DraftGraphs:
 
     def static_inputs(self, size: int) -> tuple[torch.Tensor, DraftBatch]:
         batch = DraftBatch(self.block_table[:size], self.context_lens[:size],
-                           self.query_start_loc[: size + 1])
+                           self.query_start_loc[: size + 1], self.anchor_positions[:size])
         return self.anchors[:size], batch
 
     def capture(self) -> None:
@@ -71,6 +72,8 @@ class DraftGraphs:
         self.anchors[:n].copy_(anchors)
         self.context_lens[:n].copy_(batch.context_lens)
         self.context_lens[n:size].zero_()
+        self.anchor_positions[:n].copy_(batch.anchor_positions)
+        self.anchor_positions[n:size].zero_()
         # Contexts fit in max_blocks (max_model_len); later columns are never read.
         width = min(self.block_table.shape[1], batch.block_table.shape[1])
         self.block_table[:n, :width].copy_(batch.block_table[:, :width])

@@ -331,8 +331,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
     ) -> torch.Tensor:
         cad = common_attn_metadata
         if target_positions.dim() == 2:
-            # M-RoPE targets (Qwen3-VL, Qwen3.5) give [sections, T]; a text token has its
-            # index in every section. The drafter's RoPE is 1-D: the first section, as for
+            # M-RoPE targets (Qwen3-VL, Qwen3.5) give [sections, T]; a text token has the same
+            # position in every section. The drafter's RoPE is 1-D: the first section, as for
             # vLLM's drafters.
             target_positions = target_positions[0]
         num_tokens = target_positions.shape[0]
@@ -343,12 +343,17 @@ class DFlashProposer(SpecDecodeBaseProposer):
             # The draft-length policy skips drafting this step; the context still grows.
             return next_token_ids.new_empty(next_token_ids.shape[0], 0)
         context_lens = cad.seq_lens
+        last_valid = cad.query_start_loc[1:] - 1  # each request's last accepted token
         if num_rejected_tokens_gpu is not None:
             context_lens = context_lens - num_rejected_tokens_gpu
+            last_valid = last_valid - num_rejected_tokens_gpu
         batch = DraftBatch(
             block_table=cad.block_table_tensor,
             context_lens=context_lens.to(torch.int32),
             query_start_loc=self.block_starts[: cad.batch_size() + 1],
+            # The anchor follows the last accepted token: its index for text, behind it under
+            # M-RoPE after an image.
+            anchor_positions=(target_positions[last_valid.long()] + 1).to(torch.int32),
         )
         return self.draft_tokens(next_token_ids, batch, num_speculative_tokens)
 
@@ -381,7 +386,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         num_reqs = anchor_ids.shape[0]
         block_ids = self.mask_ids[:num_reqs].clone()
         block_ids[:, 0] = anchor_ids
-        positions = (batch.context_lens[:, None] + self.block_offsets).flatten().long()
+        positions = (batch.anchor_positions[:, None] + self.block_offsets).flatten().long()
         embeds = self.embed(block_ids.flatten())
         if self.dflash_config.input_embedding_scale != 1.0:  # a full pass over the embeddings
             embeds = embeds * self.dflash_config.input_embedding_scale
@@ -462,10 +467,11 @@ class DFlashProposer(SpecDecodeBaseProposer):
 
     def dummy_draft_inputs(self, num_reqs: int) -> tuple[torch.Tensor, DraftBatch]:
         """Anchors and an empty-context batch of num_reqs blocks, for profiling."""
+        empty = torch.zeros(num_reqs, dtype=torch.int32, device=self.device)
         batch = DraftBatch(
             block_table=torch.zeros(num_reqs, 1, dtype=torch.int32, device=self.device),
-            context_lens=torch.zeros(num_reqs, dtype=torch.int32, device=self.device),
-            query_start_loc=self.block_starts[: num_reqs + 1],
+            context_lens=empty, query_start_loc=self.block_starts[: num_reqs + 1],
+            anchor_positions=empty,
         )
         return torch.zeros(num_reqs, dtype=torch.int32, device=self.device), batch
 

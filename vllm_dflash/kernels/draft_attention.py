@@ -30,11 +30,14 @@ from vllm_dflash.kernels import _compiled
 
 @dataclass
 class DraftBatch:
-    """Where each request's block sits: what the paged draft attention needs."""
+    """Where each request's block sits: its context for the paged draft attention, its
+    position for RoPE."""
 
     block_table: torch.Tensor  # [B, max_blocks] int32
-    context_lens: torch.Tensor  # [B] int32: valid context tokens = anchor position
+    context_lens: torch.Tensor  # [B] int32: valid context tokens = the anchor's index
     query_start_loc: torch.Tensor  # [B+1] int32: B blocks of block_len queries
+    # [B] int32: the anchor's RoPE position; its index, except under M-RoPE after an image
+    anchor_positions: torch.Tensor
 
 
 def _mask(
