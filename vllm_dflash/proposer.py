@@ -5,9 +5,10 @@ Per step, for the whole batch:
      context K/V, written into the drafter's paged KV cache at the target's slots. Rejected
      positions are written too (no host sync on acceptance); they sit past the valid context
      and are overwritten when the target recomputes those positions.
-  2. Draft: one block `[anchor, MASK x K]` per request at positions `ctx_len .. ctx_len+K`,
-     where ctx_len = seq_len - rejected; block queries attend to the paged context plus their
-     own block (draft attention kernel), the target's lm_head gives K greedy draft tokens.
+  2. Draft: one block `[anchor, MASK x K]` per request at positions `p .. p+K`, p the one
+     after the last accepted token's (ctx_len = seq_len - rejected for text); block queries
+     attend to the ctx_len context tokens in the paged cache plus their own block (draft
+     attention kernel), the target's lm_head gives K greedy draft tokens.
 The drafter's KV cache pages are owned by vLLM's KV cache manager through `DraftKVLayer`s
 registered in the forward context, so they are allocated, freed, preempted and prefix-cached
 with the request like any attention layer's.
