@@ -11,6 +11,7 @@ accepted (several tokens per step), so stops and limits fall inside verified blo
 
 import http.client
 import json
+import math
 import os
 import shutil
 import socket
@@ -348,19 +349,47 @@ for name, kwargs in [("min_p", {"min_p": 0.1}), ("logit_bias", {"logit_bias": {5
 """
 
 
-def test_min_p_and_logit_bias_refused_as_by_vllm_in_tree_dflash(trained, baseline, dflash):
+def test_min_p_and_logit_bias_run_where_vllm_in_tree_dflash_refuses_them(trained, dflash):
     spec = {"method": "dflash", "model": str(trained.drafter), "num_speculative_tokens": 7}
     in_tree = run_python(REFUSED_SCRIPT, str(trained.target), json.dumps(spec),
                          VLLM_DFLASH_IMPL="vllm", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    want = {result["param"]: result["error"] for result in in_tree}
-    assert want["min_p"] and want["logit_bias"], want
-    for name, kwargs in [("min_p", {"min_p": 0.1}), ("logit_bias", {"logit_bias": {5: 2.0}})]:
-        with pytest.raises(Exception) as excinfo:
-            dflash.generate(["def f(x):"], params(max_tokens=4, **kwargs), use_tqdm=False)
-        assert f"{type(excinfo.value).__name__}: {excinfo.value}" == want[name]
-        assert "not yet supported with speculative decoding" in want[name]
-        # Without speculation the same request runs.
-        assert baseline.generate(["def f(x):"], params(max_tokens=4, **kwargs), use_tqdm=False)
+    for result in in_tree:
+        assert "not yet supported with speculative decoding" in result["error"], result
+    for kwargs in ({"min_p": 0.1}, {"logit_bias": {5: 2.0}}):
+        assert dflash.generate(["def f(x):"], params(max_tokens=4, **kwargs), use_tqdm=False)
+
+
+def test_logit_bias_greedy_equals_no_speculation(baseline, dflash, prompts):
+    # Biases that change the greedy output: a ban on a frequent token, boosts of others.
+    biased = [params(temperature=0.0, max_tokens=48, ignore_eos=True,
+                     logit_bias={200: -100.0, 13: 3.0, (37 * i) % 4000 + 2: 4.0})
+              for i in range(len(prompts))]
+    unbiased = params(temperature=0.0, max_tokens=48, ignore_eos=True)
+    want = [c[0] for c in completions(baseline, prompts, biased)]
+    assert want != [c[0] for c in completions(baseline, prompts, unbiased)]
+    assert [c[0] for c in completions(dflash, prompts, biased)] == want
+
+
+def min_p_violations(llm, prompts, min_p: float, threshold: float) -> tuple[int, int]:
+    """Sampled tokens (T = 1) whose probability is below threshold x the most likely token's,
+    from the raw logprobs; and all sampled tokens."""
+    sampling = params(temperature=1.0, min_p=min_p, max_tokens=64, ignore_eos=True,
+                      logprobs=1, seed=3)
+    violations = total = 0
+    for output in llm.generate(prompts, sampling, use_tqdm=False):
+        for token, logprobs in zip(output.outputs[0].token_ids, output.outputs[0].logprobs,
+                                   strict=True):
+            top = max(entry.logprob for entry in logprobs.values())
+            violations += logprobs[token].logprob < top + math.log(threshold) - 1e-4
+            total += 1
+    return violations, total
+
+
+def test_min_p_keeps_only_tokens_above_its_threshold(dflash, prompts):
+    # Verified draft tokens and bonus tokens alike (drafts are accepted at T = 1 here).
+    assert min_p_violations(dflash, prompts, min_p=0.3, threshold=0.3)[0] == 0
+    violations, total = min_p_violations(dflash, prompts, min_p=0.0, threshold=0.3)
+    assert violations > total // 10, (violations, total)  # the premise: without min_p
 
 
 def test_drafts_are_accepted_on_the_trained_pair(dflash, prompts):

@@ -7,7 +7,9 @@ vLLM loads `register()` through the `vllm.general_plugins` entry point in every 
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 
 logger = logging.getLogger("vllm.vllm_dflash")  # inherits vLLM's log handler
@@ -84,6 +86,7 @@ def register() -> None:
     require_v1_runner()
     draft_length_mode()
     _patch_runner()
+    _patch_sampling_params()
     _patch_engine_args()
     _patch_engine_core()
     _patch_scheduler()
@@ -99,6 +102,27 @@ def _patch_runner() -> None:
     from vllm_dflash.proposer import DFlashProposer
 
     gpu_model_runner.DFlashProposer = DFlashProposer
+
+    # With speculation vLLM builds only the min-tokens logits processor; vllm-dflash applies
+    # the min_p and logit_bias ones to verified rows too (use_dflash_verification).
+    build = gpu_model_runner.build_logitsprocs
+    if not getattr(build, "vllm_dflash", False):
+        def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model,
+                              custom_logitsprocs=()):
+            spec = vllm_config.speculative_config
+            if spec is None or spec.method != "dflash" or is_pooling_model or custom_logitsprocs:
+                return build(vllm_config, device, is_pin_memory, is_pooling_model,
+                             custom_logitsprocs)
+            from vllm.v1.sample.logits_processor import (
+                BUILTIN_LOGITS_PROCESSORS,
+                LogitsProcessors,
+            )
+
+            return LogitsProcessors(ctor(vllm_config, device, is_pin_memory)
+                                    for ctor in BUILTIN_LOGITS_PROCESSORS)
+
+        build_logitsprocs.vllm_dflash = True
+        gpu_model_runner.build_logitsprocs = build_logitsprocs
 
     # vLLM skips the drafter for the whole batch once one request is within a block of
     # max_model_len (a drafter's own position limit). This drafter has none (its RoPE table
@@ -116,6 +140,23 @@ def _patch_runner() -> None:
 
     input_fits_in_drafter.vllm_dflash = True
     runner._input_fits_in_drafter = input_fits_in_drafter
+
+
+def _patch_sampling_params() -> None:
+    # vLLM refuses min_p and logit_bias for every speculative method; vllm-dflash applies both
+    # to the verified rows (use_dflash_verification), so its requests keep them.
+    from vllm.sampling_params import SamplingParams
+
+    validate = SamplingParams._validate_spec_decode
+    if getattr(validate, "vllm_dflash", False):
+        return
+
+    def validate_spec_decode(self, speculative_config) -> None:
+        if speculative_config is None or speculative_config.method != "dflash":
+            validate(self, speculative_config)
+
+    validate_spec_decode.vllm_dflash = True
+    SamplingParams._validate_spec_decode = validate_spec_decode
 
 
 def _patch_engine_args() -> None:
@@ -402,9 +443,61 @@ def use_dflash_verification() -> None:
         # top-k-only path then reduces an empty tensor and crashes. Zero rows need nothing.
         if logits.shape[0] == 0:
             return logits
+        # vLLM's sampler applies min_p after the temperature and before top-k/top-p.
+        min_p = _processor(sampling_metadata.logitsprocs.argmax_invariant, "MinPLogitsProcessor")
+        if min_p is not None and min_p.min_p_count and not sampling_metadata.all_greedy:
+            mask_below_min_p(logits, cu_num_draft_tokens, sampling_metadata.temperature,
+                             min_p.min_p.view(-1))  # [B], on the device
         return constrain(logits, cu_num_draft_tokens, sampling_metadata)
 
     rejection_sampler.apply_sampling_constraints = apply_sampling_constraints
+    sampler = rejection_sampler.RejectionSampler
+    process = sampler.apply_logits_processors
+
+    def apply_logits_processors(self, logits, sampling_metadata, metadata):
+        # vLLM's sampler adds logit biases before penalties; per draft row here.
+        bias = _processor(sampling_metadata.logitsprocs.non_argmax_invariant,
+                          "LogitBiasLogitsProcessor")
+        if bias is not None and bias.biases:
+            add_logit_bias(logits, bias.biases, metadata.num_draft_tokens)
+        return process(self, logits, sampling_metadata, metadata)
+
+    sampler.apply_logits_processors = apply_logits_processors
+
+
+def _processor(processors: list, name: str) -> Any:
+    """vLLM's built-in logits processor of that class name, if the engine has it."""
+    return next((p for p in processors if type(p).__name__ == name), None)
+
+
+def add_logit_bias(logits: torch.Tensor, biases: dict[int, dict[int, float]],
+                   num_draft_tokens: list[int]) -> None:
+    """Adds each request's {token: bias} to its draft rows of logits [T, V] (rows grouped by
+    request, num_draft_tokens[i] rows for request i), in place."""
+    starts = np.cumsum([0, *num_draft_tokens])
+    rows, tokens, values = [], [], []
+    for request, bias in biases.items():
+        request_rows = range(starts[request], starts[request + 1])
+        for token, value in bias.items():
+            rows += request_rows
+            tokens += [token] * len(request_rows)
+            values += [value] * len(request_rows)
+    index = torch.tensor([rows, tokens], dtype=torch.long).to(logits.device, non_blocking=True)
+    logits[index[0], index[1]] += torch.tensor(values, dtype=logits.dtype).to(logits.device)
+
+
+def mask_below_min_p(logits: torch.Tensor, cu_num_draft_tokens: torch.Tensor,
+                     temperature: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Sets to -inf, in place, the tokens of each sampled draft row [T, V] whose probability at
+    the request's temperature is below min_p x the row's highest, as vLLM's MinP does (the same
+    float operations, so the same tokens). Greedy rows (temperature 0) are left alone."""
+    rows = logits.shape[0]
+    temperature = expand_batch_to_tokens(temperature, cu_num_draft_tokens, rows)
+    min_p = expand_batch_to_tokens(min_p, cu_num_draft_tokens, rows)
+    min_p = torch.where(temperature > 0, min_p, 0.0)
+    probs = torch.softmax(logits / torch.where(temperature > 0, temperature, 1.0)[:, None], -1)
+    threshold = probs.amax(dim=-1, keepdim=True).mul_(min_p[:, None])
+    logits.masked_fill_(probs < threshold, float("-inf"))
 
 
 def expand_batch_to_tokens(
