@@ -71,7 +71,8 @@ def require_v1_runner() -> None:
 
 
 def register() -> None:
-    """Entry point of `vllm.general_plugins`; idempotent."""
+    """Entry point of `vllm.general_plugins`; idempotent: the patches below are applied once
+    per process, each wrapping what vLLM defines."""
     global _registered
     if _registered:
         return
@@ -106,23 +107,22 @@ def _patch_runner() -> None:
     # With speculation vLLM builds only the min-tokens logits processor; vllm-dflash applies
     # the min_p and logit_bias ones to verified rows too (use_dflash_verification).
     build = gpu_model_runner.build_logitsprocs
-    if not getattr(build, "vllm_dflash", False):
-        def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model,
-                              custom_logitsprocs=()):
-            spec = vllm_config.speculative_config
-            if spec is None or spec.method != "dflash" or is_pooling_model or custom_logitsprocs:
-                return build(vllm_config, device, is_pin_memory, is_pooling_model,
-                             custom_logitsprocs)
-            from vllm.v1.sample.logits_processor import (
-                BUILTIN_LOGITS_PROCESSORS,
-                LogitsProcessors,
-            )
 
-            return LogitsProcessors(ctor(vllm_config, device, is_pin_memory)
-                                    for ctor in BUILTIN_LOGITS_PROCESSORS)
+    def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model,
+                          custom_logitsprocs=()):
+        spec = vllm_config.speculative_config
+        if spec is None or spec.method != "dflash" or is_pooling_model or custom_logitsprocs:
+            return build(vllm_config, device, is_pin_memory, is_pooling_model,
+                         custom_logitsprocs)
+        from vllm.v1.sample.logits_processor import (
+            BUILTIN_LOGITS_PROCESSORS,
+            LogitsProcessors,
+        )
 
-        build_logitsprocs.vllm_dflash = True
-        gpu_model_runner.build_logitsprocs = build_logitsprocs
+        return LogitsProcessors(ctor(vllm_config, device, is_pin_memory)
+                                for ctor in BUILTIN_LOGITS_PROCESSORS)
+
+    gpu_model_runner.build_logitsprocs = build_logitsprocs
 
     # vLLM skips the drafter for the whole batch once one request is within a block of
     # max_model_len (a drafter's own position limit). This drafter has none (its RoPE table
@@ -130,15 +130,12 @@ def _patch_runner() -> None:
     # every other request's drafter context: lower acceptance for the rest of their lives.
     runner = gpu_model_runner.GPUModelRunner
     fits = runner._input_fits_in_drafter
-    if getattr(fits, "vllm_dflash", False):
-        return
 
     def input_fits_in_drafter(self, common_attn_metadata) -> bool:
         if isinstance(self.drafter, DFlashProposer):
             return common_attn_metadata is not None
         return fits(self, common_attn_metadata)
 
-    input_fits_in_drafter.vllm_dflash = True
     runner._input_fits_in_drafter = input_fits_in_drafter
 
 
@@ -148,14 +145,11 @@ def _patch_sampling_params() -> None:
     from vllm.sampling_params import SamplingParams
 
     validate = SamplingParams._validate_spec_decode
-    if getattr(validate, "vllm_dflash", False):
-        return
 
     def validate_spec_decode(self, speculative_config) -> None:
         if speculative_config is None or speculative_config.method != "dflash":
             validate(self, speculative_config)
 
-    validate_spec_decode.vllm_dflash = True
     SamplingParams._validate_spec_decode = validate_spec_decode
 
 
@@ -166,8 +160,6 @@ def _patch_engine_args() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     create = EngineArgs.create_speculative_config
-    if getattr(create, "vllm_dflash", False):
-        return
 
     def create_speculative_config(self, target_model_config, target_parallel_config):
         _select_dflash_method(self)
@@ -176,7 +168,6 @@ def _patch_engine_args() -> None:
             _check_dflash_config(config, target_model_config, target_parallel_config)
         return config
 
-    create_speculative_config.vllm_dflash = True
     EngineArgs.create_speculative_config = create_speculative_config
 
 
@@ -259,8 +250,6 @@ def _patch_engine_core() -> None:
     from vllm.v1.engine.core import EngineCore
 
     after_scheduler = EngineCore._initialize_effective_attention_block_size
-    if getattr(after_scheduler, "vllm_dflash", False):
-        return
 
     def attach_draft_policy(self) -> None:
         after_scheduler(self)
@@ -282,7 +271,6 @@ def _patch_engine_core() -> None:
             profile.tokens, _ms(profile.target_s), profile.batch_sizes, _ms(profile.drafter_s),
         )
 
-    attach_draft_policy.vllm_dflash = True
     EngineCore._initialize_effective_attention_block_size = attach_draft_policy
 
 
@@ -313,8 +301,6 @@ def _patch_scheduler() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     schedule, update_from_output = Scheduler.schedule, Scheduler.update_from_output
-    if getattr(schedule, "vllm_dflash", False):
-        return
 
     def schedule_with_policy(self, *args, **kwargs):
         policy = getattr(self, "vllm_dflash_policy", None)
@@ -341,7 +327,6 @@ def _patch_scheduler() -> None:
             _log_summary(policy.summary(flush=True))
         return outputs
 
-    schedule_with_policy.vllm_dflash = True
     Scheduler.schedule = schedule_with_policy
     Scheduler.update_from_output = update_from_output_with_policy
 
@@ -389,7 +374,7 @@ def _patch_cpu_seeded_chunked_prefill() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     sample, bookkeeping = GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync
-    if not current_platform.is_cpu() or getattr(sample, "vllm_dflash", False):
+    if not current_platform.is_cpu():
         return
 
     def sample_keeping_discarded_generators(self, logits, spec_decode_metadata):
@@ -411,7 +396,6 @@ def _patch_cpu_seeded_chunked_prefill() -> None:
         finally:
             self.input_batch.generators = generators
 
-    sample_keeping_discarded_generators.vllm_dflash = True
     GPUModelRunner._sample = sample_keeping_discarded_generators
     GPUModelRunner._bookkeeping_sync = bookkeeping_without_rewind
 
