@@ -154,3 +154,17 @@ def test_metrics_show_spec_decode_counters(servers):
     drafts = [line for line in metrics.splitlines()
               if line.startswith("vllm:spec_decode_num_drafts_total")]
     assert drafts and float(drafts[0].split()[-1]) > 0
+
+
+def test_logit_bias_and_min_p_are_accepted_by_the_server(servers):
+    # vLLM's API server refuses both for every speculative method; with the plugin the greedy
+    # text under a bias equals the plain server's, and min_p is accepted.
+    plain, dflash = servers
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0.0,
+            "logit_bias": {"13": 5.0, "200": -100.0}}
+    texts = [json.loads(s.post("/v1/completions", {**body, "model": server_model(s)}))
+             ["choices"][0]["text"] for s in (plain, dflash)]
+    assert texts[1] == texts[0]
+    sampled = {"model": server_model(dflash), "prompt": "def f(x):", "max_tokens": 8,
+               "temperature": 1.0, "min_p": 0.2}
+    assert json.loads(dflash.post("/v1/completions", sampled))["choices"][0]["text"] is not None
