@@ -96,3 +96,12 @@ def test_start_up_check_loads_a_hub_drafter_and_refuses_another_revision(
     # The engine loads a hub drafter's weights at the default revision: another one is refused.
     with pytest.raises(DFlashConfigError, match="revision='v2'.*'org/name'.*not supported.*fix"):
         validate_speculative_config(spec("v2"), target)
+
+
+def test_a_hub_drafter_is_recognised_by_its_config(hub_cache: Path) -> None:
+    # vLLM names the method "dflash" only for ids with "dflash" in them.
+    from vllm_dflash.plugin import is_dflash_checkpoint
+
+    assert is_dflash_checkpoint("org/name")
+    assert not is_dflash_checkpoint("org/other")  # not in the cache, offline
+    assert not is_dflash_checkpoint("not a hub id")

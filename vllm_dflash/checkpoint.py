@@ -30,7 +30,7 @@ def drafter_dir(model: str | Path, revision: str | None = None) -> Path:
     path = Path(model)
     if path.is_dir():
         return path
-    if not _is_hub_id(str(model)):
+    if not is_hub_id(str(model)):
         raise DFlashConfigError(
             f"drafter directory {str(model)!r} does not exist; fix: pass the directory holding "
             "config.json and *.safetensors, or a hub id (org/name)"
@@ -38,7 +38,7 @@ def drafter_dir(model: str | Path, revision: str | None = None) -> Path:
     return _hub_snapshot(str(model), revision)
 
 
-def _is_hub_id(name: str) -> bool:
+def is_hub_id(name: str) -> bool:
     from huggingface_hub.utils import validate_repo_id  # needed for hub ids only
 
     try:

@@ -230,13 +230,23 @@ def _check_dflash_config(config, target_model_config, target_parallel_config) ->
 
 
 def is_dflash_checkpoint(model: str | None) -> bool:
-    """Whether `model` is a local directory whose config.json names DFlashDraftModel."""
+    """Whether the config.json of `model`, a directory or a hub id, names DFlashDraftModel."""
     import json
     from pathlib import Path
 
+    from vllm_dflash.checkpoint import is_hub_id
+
     config = Path(model or "") / "config.json"
     if not config.is_file():
-        return False
+        if not model or Path(model).exists() or not is_hub_id(model):
+            return False
+        from huggingface_hub import constants, hf_hub_download
+
+        try:  # vLLM fetches the same file next, to build the drafter's model config
+            config = Path(hf_hub_download(model, "config.json",
+                                          local_files_only=constants.HF_HUB_OFFLINE))
+        except OSError:  # not found or not reachable: vLLM's own loading reports it
+            return False
     return "DFlashDraftModel" in (json.loads(config.read_text()).get("architectures") or ())
 
 
