@@ -238,7 +238,8 @@ def is_dflash_checkpoint(model: str | None) -> bool:
 
     config = Path(model or "") / "config.json"
     if not config.is_file():
-        if not model or Path(model).exists() or not is_hub_id(model):
+        # Only "org/name": vLLM's method names ("ngram") and proposer paths are no drafters.
+        if not model or "/" not in model or Path(model).exists() or not is_hub_id(model):
             return False
         from huggingface_hub import constants, hf_hub_download
 
