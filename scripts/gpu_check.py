@@ -425,7 +425,8 @@ def generate(target: Path, drafter: Path | None, shape: PairShape, dtype: str,
               disable_log_stats=False, speculative_config=spec, **extra)
     prompts = make_prompts(shape.vocab, max(E2E_BATCHES))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    result: dict = {"cuda_graphs": on_gpu}
+    result: dict = {"cuda_graphs": on_gpu,
+                    "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling}
     for batch in E2E_BATCHES:
         outputs = llm.generate(prompts[:batch], params, use_tqdm=False)
         result[f"batch_{batch}"] = [list(o.outputs[0].token_ids) for o in outputs]
@@ -633,7 +634,9 @@ def step_e2e(runner: Runner, args: argparse.Namespace) -> Result:
         return result(FAILED, "greedy output equal, but the drafter ran without CUDA graphs")
     graphs = f"CUDA graphs on ({captured.split('vllm-dflash: ')[-1]})" if on_gpu else \
         "eager (no GPU)"
-    return result(OK, f"greedy with DFlash == without, batch 1 and 16, {graphs}")
+    scheduling = "async" if outputs["dflash"]["async_scheduling"] else "sync"
+    return result(OK, f"greedy with DFlash == without, batch 1 and 16, {graphs}, "
+                      f"{scheduling} scheduling")
 
 
 STEPS: dict[str, Callable[[Runner, argparse.Namespace], Result]] = {

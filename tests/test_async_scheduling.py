@@ -1,0 +1,167 @@
+"""Async scheduling, vLLM's default on GPUs for method "dflash": the scheduler plans step n+1
+before step n's tokens and drafts reach the host, and the model runner keeps them on the device.
+
+The CPU build turns async scheduling off in its platform set-up; these tests lift that one
+override, so that the CPU runner runs the V1 runner's async code (inherited from the GPU
+runner, with its streams and events as no-ops) with vllm-dflash's proposer: greedy output
+equals no speculation with a fixed K and with adaptive lengths (a good drafter and a useless
+one that the policy switches off), with structured outputs, preemption and chunked prefill,
+and seeded sampling is reproducible."""
+
+import itertools
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.engines import Pair, dflash_llm, generate_ids, plain_llm, spec_metrics
+
+PAIR_DIR = Path(__file__).parent / "fixtures" / "pair"
+PAIR = Pair(target=PAIR_DIR / "target", drafter=PAIR_DIR / "drafter", block_size=8)
+MAX_NEW_TOKENS = 48
+LONG_NEW_TOKENS = 120
+K = 7
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_async_scheduling():
+    """Keeps async_scheduling=True on the CPU platform when an engine asks for it."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    cpu_set_up = CpuPlatform.__dict__["check_and_update_config"]
+
+    def keep_async_scheduling(cls, vllm_config) -> None:
+        asked = vllm_config.scheduler_config.async_scheduling
+        cpu_set_up.__func__(cls, vllm_config)
+        if asked:
+            vllm_config.scheduler_config.async_scheduling = True
+
+    CpuPlatform.check_and_update_config = classmethod(keep_async_scheduling)
+    yield
+    CpuPlatform.check_and_update_config = cpu_set_up
+
+
+@pytest.fixture
+def draft_length(request):
+    """Sets VLLM_DFLASH_DRAFT_LENGTH for the engines a test builds."""
+    old = os.environ["VLLM_DFLASH_DRAFT_LENGTH"]
+    os.environ["VLLM_DFLASH_DRAFT_LENGTH"] = request.param
+    yield request.param
+    os.environ["VLLM_DFLASH_DRAFT_LENGTH"] = old
+
+
+def async_llm(pair: Pair, **kwargs):
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    llm = dflash_llm(pair, K, max_num_seqs=16, async_scheduling=True, **kwargs)
+    core = llm.llm_engine.engine_core.engine_core
+    # vLLM's async path: its async scheduler, and a queue of two batches in flight.
+    assert isinstance(core.scheduler, AsyncScheduler)
+    assert core.batch_queue is not None and core.batch_queue.maxlen == 2
+    return llm
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[dict]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(PAIR.target)
+    lines = (PAIR_DIR / "heldout_prompts.jsonl").read_text().splitlines()
+    return [{"prompt_token_ids": tokenizer(json.loads(line)["prompt"])["input_ids"]}
+            for line in lines]
+
+
+def outputs(llm, prompts: list[dict]) -> dict[str, list[list[int]]]:
+    """Greedy output of 4 prompts alone, of all at once, and of all at once with every other
+    request held to a grammar (printable ASCII)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    alone = [generate_ids(llm, [p], max_tokens=MAX_NEW_TOKENS, ignore_eos=True)[0]
+             for p in prompts[:4]]
+    batch = generate_ids(llm, prompts, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    printable = StructuredOutputsParams(regex=r"[ -~\n]*")
+    mixed = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS,
+                            structured_outputs=printable if i % 2 == 0 else None)
+             for i in range(len(prompts))]
+    structured = [list(o.outputs[0].token_ids)
+                  for o in llm.generate(prompts, mixed, use_tqdm=False)]
+    return {"alone": alone, "batch": batch, "structured": structured}
+
+
+def long_outputs(llm, prompts: list[dict]) -> list[list[int]]:
+    """Every request grows past one 128-token KV block."""
+    return generate_ids(llm, prompts, max_tokens=LONG_NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def baseline(prompts):
+    llm = plain_llm(PAIR.target, max_num_seqs=16)
+    result = outputs(llm, prompts) | {"long": long_outputs(llm, prompts)}
+    del llm
+    return result
+
+
+@pytest.mark.parametrize("draft_length", ["fixed", "adaptive"], indirect=True)
+def test_greedy_equals_no_speculation(draft_length, baseline, prompts):
+    llm = async_llm(PAIR)
+    try:
+        got = outputs(llm, prompts)
+        m = spec_metrics(llm)
+    finally:
+        del llm
+    assert got == {k: baseline[k] for k in got}
+    assert m["drafts"] > 0 and 1 + m["accepted"] / m["drafts"] >= 2.5, m
+    if draft_length == "fixed":
+        assert m["draft_tokens"] == K * m["drafts"]
+    per_pos = m["accepted_per_pos"]
+    assert all(a >= b for a, b in itertools.pairwise(per_pos)), per_pos
+
+
+@pytest.mark.parametrize("draft_length", ["adaptive"], indirect=True)
+def test_useless_drafter_is_switched_off_losslessly(draft_length, baseline, prompts,
+                                                   tmp_path_factory):
+    from vllm_dflash.tiny import write_random_drafter
+
+    drafter = tmp_path_factory.mktemp("random") / "drafter"
+    write_random_drafter(drafter, PAIR.target, block_size=8, num_layers=1)
+    llm = async_llm(Pair(PAIR.target, drafter, 8))
+    try:
+        got = outputs(llm, prompts)
+        m = spec_metrics(llm)
+    finally:
+        del llm
+    assert got == {k: baseline[k] for k in got}
+    output_tokens = (4 + 2 * len(prompts)) * MAX_NEW_TOKENS
+    assert m["draft_tokens"] < 0.3 * K * output_tokens, m
+
+
+@pytest.mark.parametrize("draft_length", ["fixed", "adaptive"], indirect=True)
+def test_preemption_and_chunked_prefill(draft_length, baseline, prompts):
+    # 8 KV blocks of 128 tokens for 16 requests that each need 2: the scheduler preempts and
+    # recomputes; a 64-token budget chunks the prompts.
+    llm = async_llm(PAIR, num_gpu_blocks_override=8, max_num_batched_tokens=64)
+    try:
+        assert long_outputs(llm, prompts) == baseline["long"]
+        preemptions = {m.name: m for m in llm.get_metrics()}["vllm:num_preemptions"].value
+        assert preemptions > 0
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        assert scheduler.kv_cache_manager.usage == 0.0
+    finally:
+        del llm
+
+
+@pytest.mark.parametrize("draft_length", ["fixed", "adaptive"], indirect=True)
+def test_seeded_sampling_is_reproducible(draft_length, prompts):
+    from vllm import SamplingParams
+
+    llm = async_llm(PAIR)
+    try:
+        params = [SamplingParams(max_tokens=32, temperature=1.0, seed=i) if i % 2 else
+                  SamplingParams(max_tokens=32, temperature=0.0) for i in range(len(prompts))]
+        first, second = ([o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+                         for _ in range(2))
+        assert first == second
+    finally:
+        del llm
