@@ -82,6 +82,14 @@ def test_probabilistic_drafts_fail_startup(pair):
     assert "draft_sample_method='probabilistic'" in text and "remove draft_sample_method" in text
 
 
+def test_block_verification_fails_startup(pair):
+    with pytest.raises(Exception) as excinfo:
+        dflash_llm(pair, 3, speculative={"rejection_sample_method": "block"})
+    text = error_text(excinfo)
+    assert "rejection_sample_method='block'" in text, text
+    assert "remove rejection_sample_method" in text, text
+
+
 def test_unpadded_drafter_batch_fails_startup(pair):
     with pytest.raises(Exception) as excinfo:
         dflash_llm(pair, 3, speculative={"disable_padded_drafter_batch": True})

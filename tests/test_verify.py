@@ -1,6 +1,7 @@
 """Tests for vllm_dflash.kernels.verify: exactness (greedy), losslessness (chi-square), seeds,
 Triton == reference (TRITON_INTERPRET=1, in a subprocess), and the vLLM adapter."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -256,6 +257,11 @@ def _check_triton_matches_reference() -> None:
             ref = rejection_walk_reference(case["draft_token_ids"], randoms=randoms, **walk_args)
             tri = rejection_walk_triton(case["draft_token_ids"], randoms=randoms, **walk_args)
             assert torch.equal(ref, tri), (seed, randoms is None)
+        rates = torch.tensor([0.9, 0.8, 0.5, 0.3, 0.0])[: case["max_spec_len"]]
+        ref, tri = (walk(case["draft_token_ids"], randoms=fp64_randoms, synthetic_rates=rates,
+                         **walk_args)
+                    for walk in (rejection_walk_reference, rejection_walk_triton))
+        assert torch.equal(ref, tri), (seed, "synthetic")
 
 
 def test_triton_matches_reference_interpreted() -> None:
@@ -333,8 +339,50 @@ def test_greedy_walk_torch_matches_reference(uniform: bool) -> None:
         assert torch.equal(out, expected), (seed, counts)
 
 
-def test_vllm_adapter_rejects_synthetic_mode() -> None:
+@pytest.mark.parametrize("all_greedy", [True, False], ids=["greedy", "mixed"])
+def test_vllm_adapter_synthetic_mode_accepts_at_the_set_rates(all_greedy: bool) -> None:
+    """vLLM's benchmark mode: position i is accepted with probability rates[i], whatever the
+    draft; the first rejected position gets the target's token, as in a real rejection."""
     case = _ragged_case(2)
-    with pytest.raises(NotImplementedError, match="synthetic"):
-        _adapter(case, _metadata(case, all_greedy=False), case["target_probs"],
-                 synthetic_mode=True)
+    case["draft_token_ids"] = case["draft_token_ids"].clamp_min(0)  # no padding rows
+    if all_greedy:
+        case["is_greedy"] = torch.ones_like(case["is_greedy"])
+    metadata = _metadata(case, all_greedy)
+    probs = case["target_probs"]
+    counts = torch.diff(case["cu_num_draft_tokens"], prepend=torch.zeros(1)).long().tolist()
+    rates = torch.zeros(case["max_spec_len"])
+    rates[:2] = 1.0  # every request accepts min(2, its drafts), whatever they are
+    out = _adapter(case, metadata, probs.log(), synthetic_mode=True,
+                   synthetic_conditional_rates=rates)
+    plain = _adapter(case, metadata, probs.log())
+    starts = [0, *itertools.accumulate(counts)]
+    for b, n in enumerate(counts):
+        k = min(2, n)
+        assert out[b, :k].tolist() == case["draft_token_ids"][starts[b]: starts[b] + k].tolist()
+        if k == n:  # all accepted: then the bonus
+            assert out[b, k] == case["bonus_token_ids"][b]
+        elif case["is_greedy"][b]:
+            assert out[b, k] == probs[starts[b] + k].argmax()
+        assert (out[b, k + 1:] == -1).all()
+    assert not torch.equal(out, plain)
+
+    # Rate 0.5 at every position: a request with 6 drafts accepts j of them with
+    # probability 0.5^(j+1) (j < 6), all 6 with 0.5^6.
+    batch, k = 4000, 6
+    many = {
+        "draft_token_ids": torch.randint(0, probs.shape[1], (batch * k,)),
+        "cu_num_draft_tokens": _cu([k] * batch),
+        "max_spec_len": k,
+        "draft_probs": None,
+        "bonus_token_ids": torch.zeros(batch, dtype=torch.long),
+        "is_greedy": torch.ones(batch, dtype=torch.bool),
+    }
+    torch.manual_seed(3)
+    out = _adapter(many, SimpleNamespace(all_greedy=True, all_random=False, temperature=None,
+                                         generators={}),
+                   torch.randn(batch * k, probs.shape[1]), synthetic_mode=True,
+                   synthetic_conditional_rates=torch.full((k,), 0.5))
+    accepted = (out >= 0).sum(dim=1) - 1
+    expected = torch.tensor([0.5 ** (j + 1) for j in range(k)] + [0.5**k])
+    stat, df = _chi_square(torch.bincount(accepted, minlength=k + 1), expected)
+    assert stat < _critical(df), stat

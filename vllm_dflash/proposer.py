@@ -165,6 +165,13 @@ def validate_speculative_config(spec: Any, target: Any) -> DFlashConfig:
             "drafts; remove draft_sample_method from --speculative-config (sampling requests "
             "stay exactly distribution-preserving with greedy drafts)."
         )
+    if spec.rejection_sample_method == "block":
+        raise DFlashConfigError(
+            "rejection_sample_method='block': vllm-dflash verifies drafts token by token "
+            "('standard', exact for greedy and sampled requests; vLLM's V1 runner has no block "
+            "verification either); remove rejection_sample_method from --speculative-config, "
+            "or set it to 'synthetic' to benchmark at a set acceptance."
+        )
     if draft.quantization is not None:
         raise DFlashConfigError(
             f"quantization={draft.quantization!r} for the drafter: vllm-dflash runs the drafter "

@@ -15,6 +15,9 @@ Rules per request, walking its rows in order until the first rejection:
     sampled, draft probs q:      accept with probability min(1, p(d) / q(d))
                                  correction ~ max(p - q, 0), renormalised
     (an all-zero residual falls back to p; a negative draft id, vLLM's padding, is rejected)
+    synthetic (vLLM's benchmark mode, rejection_sample_method="synthetic"; not lossless):
+                                 accept with probability rate[position], whatever d is
+                                 correction as above (argmax p for greedy requests)
 
 All randomness is drawn up front by ``draw_randoms`` and consumed identically by the torch
 reference and the Triton kernel, so the two give the same tokens bit for bit:
@@ -86,11 +89,13 @@ def rejection_walk_reference(
     is_greedy: torch.Tensor,
     target_argmax: torch.Tensor,
     randoms: Randoms | None,
+    synthetic_rates: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Accept/reject walk in vectorised torch, given pre-drawn randoms.
 
     ``randoms=None`` means every request is greedy: probabilities are then never read (logits
-    may be passed as ``target_probs``), only ``target_argmax``.
+    may be passed as ``target_probs``), only ``target_argmax``. ``synthetic_rates``
+    [max_spec_len] (with randoms) accepts row t with probability synthetic_rates[position].
     """
     batch_size = cu_num_draft_tokens.shape[0]
     num_tokens = draft_token_ids.shape[0]
@@ -105,7 +110,9 @@ def rejection_walk_reference(
 
     # Per-row accept decision.
     accept = drafts == target_argmax
-    if randoms is not None:
+    if synthetic_rates is not None:
+        accept = (randoms.uniform < synthetic_rates[pos]) & (drafts >= 0)
+    elif randoms is not None:
         safe = drafts.clamp_min(0)[:, None]
         p_d = target_probs.gather(1, safe)[:, 0].double()
         q_d = 1.0 if draft_probs is None else draft_probs.gather(1, safe)[:, 0].double()
@@ -249,10 +256,12 @@ def _verify_kernel(
     is_greedy_ptr,  # [B] bool
     uniform_ptr,  # [T] float64, or None when ALL_GREEDY
     inv_exp_ptr,  # [B, V], or None when ALL_GREEDY
+    synthetic_rates_ptr,  # [max_spec_len] or None
     vocab_size,
     max_spec_len,
     HAS_DRAFT_PROBS: tl.constexpr,
     ALL_GREEDY: tl.constexpr,
+    SYNTHETIC: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """One program per request: walk its drafts, then write the correction or the bonus."""
@@ -269,7 +278,10 @@ def _verify_kernel(
         row = start + num_accepted
         draft = tl.load(draft_token_ids_ptr + row)
         accept = draft == tl.load(target_argmax_ptr + row)
-        if not ALL_GREEDY:
+        if SYNTHETIC:
+            rate = tl.load(synthetic_rates_ptr + num_accepted).to(tl.float64)
+            accept = (tl.load(uniform_ptr + row) < rate) & (draft >= 0)
+        elif not ALL_GREEDY:
             safe = tl.maximum(draft, 0)
             p_d = tl.load(target_probs_ptr + row.to(tl.int64) * vocab_size + safe)
             q_d = 1.0
@@ -304,6 +316,7 @@ def rejection_walk_triton(
     is_greedy: torch.Tensor,
     target_argmax: torch.Tensor,
     randoms: Randoms | None,
+    synthetic_rates: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same as rejection_walk_reference, as one Triton program per request."""
     batch_size = cu_num_draft_tokens.shape[0]
@@ -321,10 +334,12 @@ def rejection_walk_triton(
         is_greedy.contiguous(),
         None if randoms is None else randoms.uniform,
         None if randoms is None else randoms.inv_exp,
+        synthetic_rates,
         vocab_size,
         max_spec_len,
         HAS_DRAFT_PROBS=draft_probs is not None,
         ALL_GREEDY=randoms is None,
+        SYNTHETIC=synthetic_rates is not None,
         BLOCK_V=min(triton.next_power_of_2(vocab_size), 1024),
     )
     return out
@@ -464,17 +479,14 @@ def vllm_rejection_sample(
     target_logits [T, V] already carry vLLM's temperature/top-k/top-p processing; greedy requests
     have temperature 0. sampling_metadata is duck-typed: .all_greedy, .temperature ([B], None
     when all greedy), .generators. bonus_token_ids is [B, 1]. All-greedy batches take a cheap
-    path: argmax only, no softmax, no random numbers.
+    path: argmax only, no softmax, no random numbers. synthetic_mode (vLLM's benchmark mode)
+    accepts the draft at position i with probability synthetic_conditional_rates[i].
     """
-    if synthetic_mode:
-        raise NotImplementedError(
-            "vllm-dflash verification does not implement vLLM's synthetic rejection sampling "
-            "(speculative_config.rejection_sample_method='synthetic'); use the default method."
-        )
     walk = _walk_for(target_logits.device)
     target_argmax = argmax_rows(target_logits)
     bonus = bonus_token_ids.view(-1)
-    if sampling_metadata.all_greedy:
+    all_greedy = sampling_metadata.all_greedy
+    if all_greedy and not synthetic_mode:
         if walk is rejection_walk_reference:  # the torch fallback has a cheaper greedy walk
             return greedy_walk_torch(draft_token_ids, num_draft_tokens, max_spec_len,
                                      target_argmax, bonus)
@@ -482,10 +494,16 @@ def vllm_rejection_sample(
                                device=target_logits.device)
         return walk(draft_token_ids, cu_num_draft_tokens, max_spec_len, None, target_logits,
                     bonus, is_greedy, target_argmax, None)
-    is_greedy = sampling_metadata.temperature == 0
-    target_probs = target_logits.softmax(dim=-1, dtype=torch.float32)
+    if all_greedy:  # synthetic: greedy corrections read only the argmax
+        is_greedy = torch.ones(len(num_draft_tokens), dtype=torch.bool,
+                               device=target_logits.device)
+        target_probs = target_logits
+    else:
+        is_greedy = sampling_metadata.temperature == 0
+        target_probs = target_logits.softmax(dim=-1, dtype=torch.float32)
     randoms = draw_randoms(num_draft_tokens, target_logits.shape[1],
                            sampling_metadata.generators, target_logits.device,
                            fp64_noise=use_fp64_gumbel)
     return walk(draft_token_ids, cu_num_draft_tokens, max_spec_len, draft_probs, target_probs,
-                bonus, is_greedy, target_argmax, randoms)
+                bonus, is_greedy, target_argmax, randoms,
+                synthetic_conditional_rates if synthetic_mode else None)
