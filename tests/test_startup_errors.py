@@ -75,13 +75,6 @@ def test_too_many_speculative_tokens_fails_startup(pair, k):
     assert "num_speculative_tokens" in text and str(k) in text and "7" in text, text
 
 
-def test_probabilistic_drafts_fail_startup(pair):
-    with pytest.raises(Exception) as excinfo:
-        dflash_llm(pair, 3, speculative={"draft_sample_method": "probabilistic"})
-    text = error_text(excinfo)
-    assert "draft_sample_method='probabilistic'" in text and "remove draft_sample_method" in text
-
-
 def test_block_verification_fails_startup(pair):
     with pytest.raises(Exception) as excinfo:
         dflash_llm(pair, 3, speculative={"rejection_sample_method": "block"})

@@ -56,8 +56,8 @@ class KernelRoutes:
 
 
 def _eager_draft_graphs(worker) -> list[int]:
-    """In the engine's worker: DraftGraphs for the drafter, run eagerly, each step's tokens
-    compared with the plain draft step's; returns the graphs' batch sizes."""
+    """In the engine's worker: DraftGraphs for the drafter, run eagerly, each step's greedy
+    tokens compared with the plain drafter pass's; returns the graphs' batch sizes."""
     drafter = worker.model_runner.drafter
     drafter.capture_draft_graphs(use_cuda_graph=False)
     graphs = drafter.draft_graphs
@@ -65,12 +65,13 @@ def _eager_draft_graphs(worker) -> list[int]:
     graphs.stats = Counter()
 
     def compared_run(anchors, batch):
-        tokens = run(anchors, batch)
-        expected = drafter.draft(anchors, batch, drafter.num_speculative_tokens)
+        hidden = run(anchors, batch)
+        tokens = drafter.choose_tokens(hidden)
+        expected = drafter.choose_tokens(drafter.draft_hidden(anchors, batch))
         graphs.stats["padded_steps"] += anchors.shape[0] not in graphs.sizes
         graphs.stats["tokens"] += expected.numel()
         graphs.stats["different"] += int((tokens != expected).sum())
-        return tokens
+        return hidden
 
     graphs.run = compared_run
     return graphs.sizes

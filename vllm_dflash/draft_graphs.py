@@ -1,11 +1,12 @@
-"""CUDA graphs of the draft step: one per batch size, replayed on static input buffers.
+"""CUDA graphs of the drafter's pass: one per batch size, replayed on static input buffers.
 
-A draft step launches some 70 kernels per draft layer; at small batch sizes launching them
-takes longer than running them. The step's shapes depend only on the number of requests (each
-drafts one block of block_len tokens), so one graph per batch size covers it. A step copies its
-inputs into the static buffers, replays the smallest graph that fits, and keeps the first rows
-of its output. Padded rows draft from an empty context, and their tokens are dropped.
-KV injection stays eager: its token count changes with every step's acceptance.
+A drafter's pass launches some 70 kernels per draft layer; at small batch sizes launching them
+takes longer than running them. Its shapes depend only on the number of requests (each drafts
+one block of block_len tokens), so one graph per batch size covers it. A step copies its inputs
+into the static buffers, replays the smallest graph that fits, and keeps the first rows of its
+output. Padded rows draft from an empty context, and their rows are dropped. The lm_head and
+the token choice (greedy or sampled) run after the graph, on the rows the step takes; KV
+injection stays eager: its token count changes with every step's acceptance.
 """
 
 from collections.abc import Callable
@@ -14,7 +15,7 @@ import torch
 
 from vllm_dflash.kernels.draft_attention import DraftBatch
 
-# (anchors [B] int32, batch) -> [B, K] draft tokens; device work only, no host syncs.
+# (anchors [B] int32, batch) -> [B, ...] outputs; device work only, no host syncs.
 DraftStep = Callable[[torch.Tensor, DraftBatch], torch.Tensor]
 
 
@@ -64,7 +65,7 @@ class DraftGraphs:
             self.graphs[size] = graph
 
     def run(self, anchors: torch.Tensor, batch: DraftBatch) -> torch.Tensor | None:
-        """[B, K] draft tokens, or None when B is larger than every captured size."""
+        """The step's [B, ...] outputs, or None when B is larger than every captured size."""
         n = anchors.shape[0]
         size = next((s for s in self.sizes if s >= n), None)
         if size is None:

@@ -40,6 +40,7 @@ from vllm_dflash.checkpoint import load_drafter
 from vllm_dflash.config import DFlashConfig, DFlashConfigError, validate_against_target
 from vllm_dflash.draft_graphs import DraftGraphs
 from vllm_dflash.draft_policy import StepProfile
+from vllm_dflash.draft_sampling import DraftSampling, draft_sampling, sample_drafts
 from vllm_dflash.kernels import _compiled
 from vllm_dflash.kernels.argmax import argmax_rows
 from vllm_dflash.kernels.draft_attention import DraftBatch, draft_attention, draft_attention_path
@@ -159,12 +160,6 @@ def validate_speculative_config(spec: Any, target: Any) -> DFlashConfig:
         num_speculative_tokens=spec.num_speculative_tokens,
         dtype=target.dtype,
     )
-    if spec.draft_sample_method != "greedy":
-        raise DFlashConfigError(
-            f"draft_sample_method={spec.draft_sample_method!r}: vllm-dflash proposes greedy "
-            "drafts; remove draft_sample_method from --speculative-config (sampling requests "
-            "stay exactly distribution-preserving with greedy drafts)."
-        )
     if spec.rejection_sample_method == "block":
         raise DFlashConfigError(
             "rejection_sample_method='block': vllm-dflash verifies drafts token by token "
@@ -363,7 +358,9 @@ class DFlashProposer(SpecDecodeBaseProposer):
             # M-RoPE after an image.
             anchor_positions=(target_positions[last_valid.long()] + 1).to(torch.int32),
         )
-        return self.draft_tokens(next_token_ids, batch, num_speculative_tokens)
+        sampling = (draft_sampling(sampling_metadata, batch.context_lens.shape[0])
+                    if self._enable_probabilistic_draft_probs else None)
+        return self.draft_tokens(next_token_ids, batch, num_speculative_tokens, sampling)
 
     def inject_context(
         self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
@@ -378,19 +375,32 @@ class DFlashProposer(SpecDecodeBaseProposer):
             [layer.kv_cache for layer in self.kv_layers],
         )
 
-    def draft_tokens(
-        self, anchor_ids: torch.Tensor, batch: DraftBatch, num_draft: int
-    ) -> torch.Tensor:
-        """The draft step, replayed from a CUDA graph when one fits the batch."""
-        if self.draft_graphs is not None:
-            tokens = self.draft_graphs.run(anchor_ids, batch)
-            if tokens is not None:
-                return tokens[:, :num_draft]
-        return self.draft(anchor_ids, batch, num_draft)
+    def draft_tokens(self, anchor_ids: torch.Tensor, batch: DraftBatch, num_draft: int,
+                     sampling: DraftSampling | None = None) -> torch.Tensor:
+        """[B] anchors -> [B, num_draft] draft tokens. The drafter's pass is replayed from a
+        CUDA graph when one fits the batch."""
+        hidden = None if self.draft_graphs is None else self.draft_graphs.run(anchor_ids, batch)
+        if hidden is None:
+            hidden = self.draft_hidden(anchor_ids, batch)
+        return self.choose_tokens(hidden[:, :num_draft], sampling)
 
-    def draft(self, anchor_ids: torch.Tensor, batch: DraftBatch, num_draft: int) -> torch.Tensor:
-        """[B] anchors -> [B, num_draft] greedy draft tokens. The block keeps its trained
-        length; when the policy takes fewer tokens, only theirs go through the lm_head."""
+    def choose_tokens(self, hidden: torch.Tensor,
+                      sampling: DraftSampling | None = None) -> torch.Tensor:
+        """[B, k, hidden] -> [B, k] tokens through the target's lm_head: greedy, or drawn for
+        the requests `sampling` marks (their distributions then go to take_last_draft_probs,
+        where vLLM's runner reads them for verification)."""
+        num_reqs, k = hidden.shape[:2]
+        logits = self.logits(hidden.flatten(0, 1)).view(num_reqs, k, -1)
+        self._last_draft_probs = None
+        if sampling is None:
+            # Greedy drafts: output_multiplier and softcapping are monotonic, so the argmax of
+            # the target's logits is the drafter's argmax.
+            return argmax_rows(logits)
+        tokens, self._last_draft_probs = sample_drafts(logits, sampling)
+        return tokens
+
+    def draft_hidden(self, anchor_ids: torch.Tensor, batch: DraftBatch) -> torch.Tensor:
+        """[B] anchors -> [B, K, hidden] drafter outputs at the block's K mask positions."""
         num_reqs = anchor_ids.shape[0]
         block_ids = self.mask_ids[:num_reqs].clone()
         block_ids[:, 0] = anchor_ids
@@ -399,11 +409,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         if self.dflash_config.input_embedding_scale != 1.0:  # a full pass over the embeddings
             embeds = embeds * self.dflash_config.input_embedding_scale
         hidden = self.drafter(embeds.to(self.dtype), positions, self.paged_attend(batch))
-        hidden = hidden.view(num_reqs, self.block_len, -1)[:, 1 : 1 + num_draft].flatten(0, 1)
-        # Greedy drafts: output_multiplier and softcapping are monotonic, so the argmax of the
-        # target's logits is the drafter's argmax.
-        logits = self.logits(hidden)
-        return argmax_rows(logits).view(num_reqs, num_draft)
+        return hidden.view(num_reqs, self.block_len, -1)[:, 1:]
 
     def paged_attend(self, batch: DraftBatch) -> Attend:
         cfg = self.dflash_config
@@ -435,12 +441,17 @@ class DFlashProposer(SpecDecodeBaseProposer):
         torch.nn.functional.linear(ctx, self.kv_weight)
         if self.dummy_runs_draft:
             num_reqs = max(1, min(self.max_batch_size, num_tokens // self.block_len))
-            self.draft(*self.dummy_draft_inputs(num_reqs), self.num_speculative_tokens)
+            anchors, batch = self.dummy_draft_inputs(num_reqs)
+            # Every request drawing its drafts: the largest memory the step takes.
+            sampling = (DraftSampling(anchors.new_ones(num_reqs, dtype=torch.float32),
+                                      anchors.new_ones(num_reqs, dtype=torch.bool))
+                        if self._enable_probabilistic_draft_probs else None)
+            self.choose_tokens(self.draft_hidden(anchors, batch), sampling)
 
     def uses_cuda_graphs(self) -> bool:
         """Like vLLM's drafters: on CUDA unless the target or the speculative config is eager.
-        Single GPU only: with tensor parallelism the lm_head's logits are gathered across
-        ranks, which the captured step does not do."""
+        Single GPU only: with tensor parallelism the target's embedding, which the captured
+        step runs, is split across ranks and all-reduced."""
         config = self.vllm_config
         return (
             self.device.type == "cuda"
@@ -457,10 +468,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
         capture_sizes = self.vllm_config.compilation_config.cudagraph_capture_sizes or []
         sizes = [s for s in capture_sizes if s < self.max_batch_size] + [self.max_batch_size]
         max_blocks = -(-self.vllm_config.model_config.max_model_len // self.block_size)
-        graphs = DraftGraphs(
-            lambda anchors, batch: self.draft(anchors, batch, self.num_speculative_tokens),
-            sizes, max_blocks, self.block_len, self.device, use_cuda_graph,
-        )
+        graphs = DraftGraphs(self.draft_hidden, sizes, max_blocks, self.block_len, self.device,
+                             use_cuda_graph)
         start = time.perf_counter()
         try:
             graphs.capture()
