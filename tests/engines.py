@@ -87,6 +87,17 @@ def two_rank_cores() -> str:
     return f"{cores[0]}|{cores[1 % len(cores)]}"
 
 
+def speculative_config_stub(model: str, num_speculative_tokens: int, revision=None):
+    """The fields of vLLM's SpeculativeConfig that validate_speculative_config reads, at
+    vLLM's defaults, for checks without an engine."""
+    from types import SimpleNamespace
+
+    draft = SimpleNamespace(model=model, revision=revision, quantization=None)
+    return SimpleNamespace(draft_model_config=draft, num_speculative_tokens=num_speculative_tokens,
+                           draft_sample_method="greedy", rejection_sample_method="standard",
+                           kv_cache_dtype=None, disable_padded_drafter_batch=False)
+
+
 def generate_ids(llm, prompts: list, **params) -> list[list[int]]:
     from vllm import SamplingParams
 

@@ -280,12 +280,11 @@ def test_qwen3_8b_drafter_starts_with_qwen3_8b_defaults(tmp_path: Path) -> None:
     # max_model_len defaults to Qwen3-8B's 40960, the drafter's max_position_embeddings too.
     from types import SimpleNamespace
 
+    from tests.engines import speculative_config_stub
     from vllm_dflash.proposer import validate_speculative_config
 
     (tmp_path / "config.json").write_text(json.dumps(qwen3_8b_b16()))
-    draft = SimpleNamespace(model=str(tmp_path), revision=None, quantization=None)
-    spec = SimpleNamespace(draft_model_config=draft, num_speculative_tokens=15,
-                           draft_sample_method="greedy", disable_padded_drafter_batch=False)
+    spec = speculative_config_stub(str(tmp_path), 15)
     target = SimpleNamespace(get_hidden_size=lambda: 4096, get_vocab_size=lambda: 151936,
                              hf_text_config=SimpleNamespace(num_hidden_layers=36),
                              dtype=torch.bfloat16, max_model_len=40960)

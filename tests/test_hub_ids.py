@@ -14,11 +14,13 @@ import pytest
 import torch
 from huggingface_hub import ResolvedRevision
 
+from tests.engines import speculative_config_stub
 from vllm_dflash.checkpoint import drafter_dir, load_drafter
 from vllm_dflash.config import DFlashConfig, DFlashConfigError
 from vllm_dflash.tiny import write_random_drafter, write_random_target
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+COMMIT_V2 = "89abcdef0123456789abcdef0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
@@ -29,19 +31,35 @@ def drafter(tmp_path_factory) -> Path:
     return root / "drafter"
 
 
-@pytest.fixture
-def hub_cache(tmp_path: Path, drafter: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An offline HF cache holding `drafter` as "org/name" at main; returns its snapshot dir."""
-    repo = tmp_path / "models--org--name"
-    snapshot = repo / "snapshots" / COMMIT
-    (repo / "blobs").mkdir(parents=True)
+@pytest.fixture(scope="module")
+def drafter_v2(drafter: Path) -> Path:
+    """Another drafter for the same target: block size 4."""
+    root = drafter.parent
+    write_random_drafter(root / "drafter_v2", root / "target", block_size=4, num_layers=1)
+    return root / "drafter_v2"
+
+
+def _add_snapshot(repo: Path, commit: str, ref: str, files: Path) -> Path:
+    snapshot = repo / "snapshots" / commit
     snapshot.mkdir(parents=True)
-    for file in drafter.iterdir():
+    (repo / "blobs").mkdir(exist_ok=True)
+    for file in files.iterdir():
         blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
         blob.write_bytes(file.read_bytes())
         (snapshot / file.name).symlink_to(Path("..", "..", "blobs", blob.name))
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(COMMIT)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path, drafter: Path, drafter_v2: Path,
+              monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An offline HF cache holding `drafter` as "org/name" at main and `drafter_v2` at the tag
+    v2; returns main's snapshot dir."""
+    repo = tmp_path / "models--org--name"
+    snapshot = _add_snapshot(repo, COMMIT, "main", drafter)
+    _add_snapshot(repo, COMMIT_V2, "v2", drafter_v2)
     # huggingface_hub reads both variables once, when it is imported.
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -69,20 +87,17 @@ def test_hub_id_absent_offline_names_the_id_and_the_fix(hub_cache: Path) -> None
     for call in (drafter_dir, DFlashConfig.from_pretrained, load_drafter):
         with pytest.raises(DFlashConfigError, match="'org/other'.*HF_HUB_OFFLINE.*fix"):
             call("org/other")
-    with pytest.raises(DFlashConfigError, match="'org/name'.*revision 'v2'.*fix"):
-        drafter_dir("org/name", revision="v2")
+    with pytest.raises(DFlashConfigError, match="'org/name'.*revision 'v3'.*fix"):
+        drafter_dir("org/name", revision="v3")
 
 
-def test_start_up_check_loads_a_hub_drafter_and_refuses_another_revision(
-    hub_cache: Path, drafter: Path
+def test_start_up_check_and_engine_load_the_revision_asked_for(
+    hub_cache: Path, drafter: Path, drafter_v2: Path
 ) -> None:
-    from vllm_dflash.proposer import validate_speculative_config
+    from vllm_dflash.proposer import drafter_path, validate_speculative_config
 
-    def spec(revision: str | None) -> SimpleNamespace:
-        draft = SimpleNamespace(model="org/name", revision=revision, quantization=None)
-        return SimpleNamespace(draft_model_config=draft, num_speculative_tokens=7,
-                               draft_sample_method="greedy",
-                               disable_padded_drafter_batch=False)
+    def spec(revision: str | None, k: int = 7) -> SimpleNamespace:
+        return speculative_config_stub("org/name", k, revision)
 
     # The tiny target the drafter was made for (write_random_target's defaults).
     target = SimpleNamespace(get_hidden_size=lambda: 256, get_vocab_size=lambda: 1024,
@@ -93,8 +108,12 @@ def test_start_up_check_loads_a_hub_drafter_and_refuses_another_revision(
     want = DFlashConfig.from_pretrained(drafter)
     assert validate_speculative_config(spec(main), target) == want
     assert validate_speculative_config(spec(None), target) == want
-    # The engine loads a hub drafter's weights at the default revision: another one is refused.
-    with pytest.raises(DFlashConfigError, match="revision='v2'.*'org/name'.*not supported.*fix"):
+    v2 = ResolvedRevision(COMMIT_V2, initial="v2", repo_id="org/name")
+    for revision in ("v2", COMMIT_V2, v2):
+        assert validate_speculative_config(spec(revision, k=3), target).block_size == 4
+        assert drafter_path(spec(revision).draft_model_config) == hub_cache.parent / COMMIT_V2
+    # The config of the revision asked for is checked: 7 drafts do not fit v2's block of 4.
+    with pytest.raises(DFlashConfigError, match="num_speculative_tokens"):
         validate_speculative_config(spec("v2"), target)
 
 

@@ -83,6 +83,14 @@ def test_block_verification_fails_startup(pair):
     assert "remove rejection_sample_method" in text, text
 
 
+def test_drafter_kv_cache_dtype_fails_startup(pair):
+    with pytest.raises(Exception) as excinfo:
+        dflash_llm(pair, 3, speculative={"kv_cache_dtype": "fp8"})
+    text = error_text(excinfo)
+    assert "kv_cache_dtype='fp8' for the drafter" in text, text
+    assert "fix: remove kv_cache_dtype" in text, text
+
+
 def test_unpadded_drafter_batch_fails_startup(pair):
     with pytest.raises(Exception) as excinfo:
         dflash_llm(pair, 3, speculative={"disable_padded_drafter_batch": True})

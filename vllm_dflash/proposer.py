@@ -141,17 +141,7 @@ def validate_speculative_config(spec: Any, target: Any) -> DFlashConfig:
     Runs in the worker before the drafter loads, and earlier in the front-end process at
     config time (plugin.py), where an error reaches the caller before any engine starts.
     """
-    draft = spec.draft_model_config
-    # vLLM pins the revision to a commit (a ResolvedRevision: the str of the revision asked
-    # for, "main" by default). load_model loads a hub drafter's weights at main: refuse another
-    # revision rather than pair its config.json with other weights.
-    if draft.revision not in (None, "main") and not Path(draft.model).is_dir():
-        raise DFlashConfigError(
-            f"revision={draft.revision!r} for the hub drafter {draft.model!r} is not supported "
-            f"yet; fix: download that revision (hf download {draft.model} --revision "
-            f"{draft.revision}) and pass its snapshot directory as the drafter model"
-        )
-    cfg = DFlashConfig.from_pretrained(draft.model)  # a directory or a hub id
+    cfg = DFlashConfig.from_pretrained(drafter_path(spec.draft_model_config))
     validate_against_target(
         cfg,
         target_hidden_size=target.get_hidden_size(),
@@ -167,9 +157,16 @@ def validate_speculative_config(spec: Any, target: Any) -> DFlashConfig:
             "verification either); remove rejection_sample_method from --speculative-config, "
             "or set it to 'synthetic' to benchmark at a set acceptance."
         )
-    if draft.quantization is not None:
+    if spec.kv_cache_dtype not in (None, "auto"):
         raise DFlashConfigError(
-            f"quantization={draft.quantization!r} for the drafter: vllm-dflash runs the drafter "
+            f"kv_cache_dtype={spec.kv_cache_dtype!r} for the drafter: vllm-dflash keeps the "
+            "drafter's context cache in the model dtype (its KV injection and draft attention "
+            "kernels read no scales); fix: remove kv_cache_dtype from --speculative-config (the "
+            "target's own --kv-cache-dtype is unaffected)."
+        )
+    if spec.draft_model_config.quantization is not None:
+        raise DFlashConfigError(
+            f"quantization={spec.draft_model_config.quantization!r} for the drafter: vllm-dflash runs the drafter "
             "unquantized, in the target's dtype; fix: remove quantization from "
             "--speculative-config (the target's own --quantization is unaffected) or use an "
             "unquantized drafter checkpoint."
@@ -181,6 +178,14 @@ def validate_speculative_config(spec: Any, target: Any) -> DFlashConfig:
             "disable_padded_drafter_batch from --speculative-config."
         )
     return cfg
+
+
+def drafter_path(draft_model_config: Any) -> Path:
+    """The drafter's directory: the model's own, or a hub id's snapshot at the revision asked
+    for (vLLM pins it to a commit, default main)."""
+    revision = draft_model_config.revision
+    return checkpoint.drafter_dir(draft_model_config.model,
+                                  None if revision is None else str(revision))
 
 
 def check_weight_shapes(path: str | Path, cfg: DFlashConfig) -> None:
@@ -241,6 +246,12 @@ class DFlashProposer(SpecDecodeBaseProposer):
             self.dflash_config.num_layers,
             draft_attention_path(self.device),
         )
+        if vllm_config.speculative_config.attention_backend is not None:
+            logger.warning(
+                "vllm-dflash: attention_backend=%s in --speculative-config is not used: the "
+                "drafter runs vllm-dflash's draft attention (%s)",
+                vllm_config.speculative_config.attention_backend.name,
+                draft_attention_path(self.device))
         if self.device.type == "cpu" and not _compiled.cpu_available():
             logger.warning(
                 "vllm-dflash: the compiled CPU kernels do not import (%s); draft attention, KV "
@@ -263,7 +274,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
             )
         cfg = self.dflash_config
         self.drafter = load_drafter(
-            self.draft_model_config.model, dtype=self.dtype, device=self.device
+            drafter_path(self.draft_model_config), dtype=self.dtype, device=self.device
         ).eval()
         self.embed, self.logits = plugin.target_head(
             target_model, lora=self.vllm_config.lora_config is not None)
