@@ -6,6 +6,9 @@ is downloaded.
 """
 
 import hashlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -124,3 +127,37 @@ def test_a_hub_drafter_is_recognised_by_its_config(hub_cache: Path) -> None:
     assert is_dflash_checkpoint("org/name")
     assert not is_dflash_checkpoint("org/other")  # not in the cache, offline
     assert not is_dflash_checkpoint("not a hub id")
+
+
+HUB_ENGINE_SCRIPT = """
+import sys
+from vllm import LLM, SamplingParams
+
+def llm(revision, k):
+    spec = {"method": "dflash", "model": "org/name", "num_speculative_tokens": k,
+            "revision": revision}
+    return LLM(sys.argv[1], speculative_config=spec, enforce_eager=True, max_model_len=256,
+               dtype="float32")
+
+engine = llm("v2", 3)
+out = engine.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=8))
+print("GENERATED", len(out[0].outputs[0].token_ids))
+del engine
+try:
+    llm("v2", 7)
+except Exception as error:
+    print("REFUSED", error)
+"""
+
+
+def test_llm_runs_a_hub_drafter_at_a_revision(hub_cache: Path, drafter: Path) -> None:
+    """Through vllm.LLM, offline: the v2 tag's drafter (block size 4) runs, and its config is
+    the one checked in the caller's process (7 drafts refused, before any engine starts)."""
+    env = {**os.environ, "HF_HUB_CACHE": str(hub_cache.parents[2]), "HF_HUB_OFFLINE": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    result = subprocess.run([sys.executable, "-c", HUB_ENGINE_SCRIPT, str(drafter.parent / "target")],
+                            env=env, capture_output=True, text=True, timeout=600, check=False)
+    log = result.stdout + result.stderr
+    assert "GENERATED 8" in result.stdout, log[-4000:]
+    assert "block_size=4, num_speculative_tokens=3" in log, log[-4000:]
+    assert "REFUSED" in result.stdout and "must be in [1, 3]" in result.stdout, log[-4000:]

@@ -201,11 +201,14 @@ def _select_dflash_method(args) -> None:
 
 def _check_dflash_config(config, target_model_config, target_parallel_config) -> None:
     """What would stop the engine later, or run it wrongly, as a start-up error now."""
-    from pathlib import Path
 
     from vllm.platforms import current_platform
 
-    from vllm_dflash.proposer import check_weight_shapes, validate_speculative_config
+    from vllm_dflash.proposer import (
+        check_weight_shapes,
+        drafter_path,
+        validate_speculative_config,
+    )
 
     draft_length_mode()
     stages = target_parallel_config.pipeline_parallel_size
@@ -223,10 +226,9 @@ def _check_dflash_config(config, target_model_config, target_parallel_config) ->
             "the engine, for vLLM's in-tree DFlash too); run this target without "
             "--speculative-config on CPU."
         )
-    drafter_dir = config.draft_model_config.model
-    if Path(drafter_dir).is_dir():  # anything else is left to the worker
-        cfg = validate_speculative_config(config, target_model_config)
-        check_weight_shapes(drafter_dir, cfg)
+    # A hub drafter resolves to its snapshot (fetched here if need be, as the worker would).
+    cfg = validate_speculative_config(config, target_model_config)
+    check_weight_shapes(drafter_path(config.draft_model_config), cfg)
 
 
 def is_dflash_checkpoint(model: str | None) -> bool:
