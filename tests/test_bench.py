@@ -76,6 +76,23 @@ def test_offline_numbers_are_sane(offline):
             assert all(0.0 <= a <= 1.0 for a in run["acceptance_per_position"])
 
 
+def test_sampling_and_extra_speculative_config_reach_the_dflash_methods(pair, tmp_path):
+    # Synthetic acceptance (vLLM's benchmark mode): length 4.0 at K = 7 accepts exactly 3
+    # drafts per step. (vLLM's CPU build refuses it for its own drafters, the in-tree DFlash
+    # included: "Synthetic acceptance not supported with CPU sampling".)
+    extra = {"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 4.0}
+    report = bench(pair, tmp_path / "out", "--concurrency", "1", "--temperature", "1.0",
+                   "--methods", "none,vllm-dflash-k7", "--speculative-config", json.dumps(extra))
+    assert report["meta"]["temperature"] == 1.0
+    assert report["meta"]["speculative_extra"] == extra
+    for run in report["runs"]:
+        assert "error" not in run, run
+        assert run["greedy_equals_none"] is None  # sampled outputs are not compared
+        if run["method"] != "none":
+            assert run["mean_acceptance_length"] == 4.0, run
+            assert run["acceptance_per_position"] == [1.0] * 3 + [0.0] * (K - 3), run
+
+
 def test_server_mode_reports_latencies(pair, tmp_path):
     report = bench(pair, tmp_path / "out", "--server", "--concurrency", "2",
                    "--methods", "vllm-dflash")

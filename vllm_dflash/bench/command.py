@@ -1,11 +1,12 @@
 """The `vllm-dflash bench` subcommand: every method on the same prompts, interleaved.
 
 For each concurrency C, each method runs in turn in a fresh engine of its own (a subprocess,
-capped at max_num_seqs = C), with a warm-up, on the same greedy requests; then the report
-compares every method to no speculation at that C.
+capped at max_num_seqs = C), with a warm-up, on the same requests (greedy unless
+--temperature); then the report compares every method to no speculation at that C.
 """
 
 import argparse
+import json
 import os
 import platform
 from pathlib import Path
@@ -44,6 +45,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64],
                    help="comma-separated concurrencies (default: 1,4,16,64)")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (default 0: greedy, and "
+                   "outputs are compared with no speculation's)")
+    p.add_argument("--speculative-config", type=json.loads, default={},
+                   help="more --speculative-config keys for the DFlash methods, as JSON, e.g. "
+                   "'{\"draft_sample_method\": \"probabilistic\"}' or "
+                   "'{\"rejection_sample_method\": \"synthetic\", "
+                   "\"synthetic_acceptance_length\": 6.5}'")
     p.add_argument("--methods", type=name_list,
                    default=["none", "vllm-dflash", "vllm-inproc-dflash", "ngram"],
                    help="comma-separated, from none,vllm-dflash,vllm-inproc-dflash,ngram and "
@@ -73,6 +82,7 @@ def run(args: argparse.Namespace) -> None:
     base = {
         "mode": "server" if args.server else "offline",
         "target": args.target, "draft": args.draft, "max_tokens": args.max_tokens,
+        "temperature": args.temperature, "speculative_extra": args.speculative_config,
         "num_speculative_tokens": args.num_speculative_tokens
         or default_num_speculative_tokens(args.draft),
         "dtype": args.dtype or ("auto" if gpu else "float32"),
@@ -85,7 +95,7 @@ def run(args: argparse.Namespace) -> None:
                    "concurrency": args.concurrency, "methods": args.methods, "gpu": gpu,
                    "repeats": args.repeats, "cpu_count": os.cpu_count(),
                    "machine": platform.platform()}
-    rows = compare_to_baseline(median_of_repeats(results))
+    rows = compare_to_baseline(median_of_repeats(results), greedy=args.temperature == 0)
     print(write_report(out, meta, rows, paired_ratios(results, args.methods)))
     print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
 

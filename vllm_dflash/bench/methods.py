@@ -1,7 +1,9 @@
 """The benchmarked methods: each is a speculative_config plus the engine's environment.
 
 `vllm-dflash` drafts with the adaptive draft length (the default); `vllm-dflash-kN` always
-drafts N tokens (VLLM_DFLASH_DRAFT_LENGTH=fixed, num_speculative_tokens=N).
+drafts N tokens (VLLM_DFLASH_DRAFT_LENGTH=fixed, num_speculative_tokens=N). Extra
+--speculative-config keys (draft_sample_method, synthetic acceptance, ...) go to every DFlash
+method, this package's and vLLM's in-tree one alike.
 """
 
 import json
@@ -29,14 +31,15 @@ def fixed_draft_length(method: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def speculative_config(method: str, draft: str, num_speculative_tokens: int) -> dict | None:
+def speculative_config(method: str, draft: str, num_speculative_tokens: int,
+                       extra: dict | None = None) -> dict | None:
     if method == "none":
         return None
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
                 **NGRAM_LOOKUP}
     k = fixed_draft_length(method) or num_speculative_tokens
-    return {"method": "dflash", "model": draft, "num_speculative_tokens": k}
+    return {"method": "dflash", "model": draft, "num_speculative_tokens": k, **(extra or {})}
 
 
 def method_env(method: str) -> dict[str, str]:

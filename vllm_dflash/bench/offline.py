@@ -4,7 +4,6 @@ import os
 import time
 
 from vllm_dflash.bench.counters import from_llm_metrics, peak_rss_mib
-from vllm_dflash.bench.methods import speculative_config
 from vllm_dflash.bench.runspec import RunSpec, measured
 
 
@@ -15,13 +14,12 @@ def run(spec: RunSpec) -> dict:
         model=spec.target, dtype=spec.dtype, enforce_eager=spec.enforce_eager,
         max_model_len=spec.max_model_len, max_num_seqs=spec.concurrency, seed=0,
         disable_log_stats=False,
-        speculative_config=speculative_config(spec.method, spec.draft,
-                                              spec.num_speculative_tokens),
+        speculative_config=spec.speculative_config(),
     )
     warmup = SamplingParams(temperature=0.0, max_tokens=spec.warmup_tokens())
     llm.generate(spec.warmup_prompts(), warmup, use_tqdm=False)
     before = from_llm_metrics(llm.get_metrics())
-    params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens)
+    params = SamplingParams(temperature=spec.temperature, max_tokens=spec.max_tokens)
     start = time.perf_counter()
     outputs = llm.generate(spec.prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start

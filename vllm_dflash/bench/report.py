@@ -52,9 +52,9 @@ def paired_ratios(results: list[dict], methods: list[str]) -> list[dict]:
     return rows
 
 
-def compare_to_baseline(results: list[dict]) -> list[dict]:
+def compare_to_baseline(results: list[dict], greedy: bool = True) -> list[dict]:
     """Adds speedup_vs_none and greedy_equals_none (None without a baseline run at that
-    concurrency) and drops the token ids."""
+    concurrency, or when the requests sample) and drops the token ids."""
     baselines = {r["concurrency"]: r for r in results if r["method"] == BASELINE and ok(r)}
     rows = []
     for result in results:
@@ -62,7 +62,8 @@ def compare_to_baseline(results: list[dict]) -> list[dict]:
         base = baselines.get(result["concurrency"])
         if ok(result) and base:
             row["speedup_vs_none"] = result["output_tokens_per_s"] / base["output_tokens_per_s"]
-            row["greedy_equals_none"] = result["token_ids"] == base["token_ids"]
+            row["greedy_equals_none"] = result["token_ids"] == base["token_ids"] if greedy \
+                else None
         else:
             row["speedup_vs_none"] = row["greedy_equals_none"] = None
         rows.append(row)

@@ -3,6 +3,7 @@
 from dataclasses import asdict, dataclass
 
 from vllm_dflash.bench.counters import SpecCounters, acceptance
+from vllm_dflash.bench.methods import speculative_config
 
 # Warm-up prompts get this prefix so that their prefix-cache entries do not serve the timed run.
 WARMUP_PREFIX = "Warm-up. "
@@ -19,9 +20,15 @@ class RunSpec:
     num_speculative_tokens: int
     prompts: list[str]  # the timed requests, in order
     max_tokens: int
+    temperature: float  # 0: greedy
+    speculative_extra: dict  # more --speculative-config keys for the DFlash methods
     dtype: str
     enforce_eager: bool
     max_model_len: int | None
+
+    def speculative_config(self) -> dict | None:
+        return speculative_config(self.method, self.draft, self.num_speculative_tokens,
+                                  self.speculative_extra)
 
     def warmup_prompts(self) -> list[str]:
         return [WARMUP_PREFIX + p for p in self.prompts[: self.concurrency]]

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_dflash.bench.counters import from_prometheus, peak_rss_mib
-from vllm_dflash.bench.methods import speculative_config
 from vllm_dflash.bench.runspec import RunSpec, measured
 
 MODEL_NAME = "bench"
@@ -36,10 +35,11 @@ def run(spec: RunSpec) -> dict:
     server = subprocess.Popen(server_command(spec, port))  # logs go to this run's log
     try:
         wait_ready(server, url)
-        stream_all(url, spec.warmup_prompts(), spec.warmup_tokens(), spec.concurrency)
+        stream_all(url, spec.warmup_prompts(), spec.warmup_tokens(), 0.0, spec.concurrency)
         before = from_prometheus(get(url + "/metrics"))
         start = time.perf_counter()
-        streams = stream_all(url, spec.prompts, spec.max_tokens, spec.concurrency)
+        streams = stream_all(url, spec.prompts, spec.max_tokens, spec.temperature,
+                             spec.concurrency)
         seconds = time.perf_counter() - start
         counters = from_prometheus(get(url + "/metrics")).minus(before)
         rss = peak_rss_mib(server.pid)
@@ -59,7 +59,7 @@ def server_command(spec: RunSpec, port: int) -> list[str]:
         cmd.append("--enforce-eager")
     if spec.max_model_len:
         cmd += ["--max-model-len", str(spec.max_model_len)]
-    config = speculative_config(spec.method, spec.draft, spec.num_speculative_tokens)
+    config = spec.speculative_config()
     if config:
         cmd += ["--speculative-config", json.dumps(config)]
     return cmd
@@ -98,14 +98,16 @@ def stop(server: subprocess.Popen) -> None:
         server.wait()
 
 
-def stream_all(url: str, prompts: list[str], max_tokens: int, concurrency: int) -> list[Stream]:
+def stream_all(url: str, prompts: list[str], max_tokens: int, temperature: float,
+               concurrency: int) -> list[Stream]:
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        return list(pool.map(lambda p: stream_completion(url, p, max_tokens), prompts))
+        return list(pool.map(lambda p: stream_completion(url, p, max_tokens, temperature),
+                              prompts))
 
 
-def stream_completion(url: str, prompt: str, max_tokens: int) -> Stream:
+def stream_completion(url: str, prompt: str, max_tokens: int, temperature: float) -> Stream:
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": True, "return_token_ids": True}
+            "temperature": temperature, "stream": True, "return_token_ids": True}
     request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     stream = Stream(start=time.perf_counter())
