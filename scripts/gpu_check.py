@@ -425,8 +425,8 @@ def generate(target: Path, drafter: Path | None, shape: PairShape, dtype: str,
               disable_log_stats=False, speculative_config=spec, **extra)
     prompts = make_prompts(shape.vocab, max(E2E_BATCHES))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    result: dict = {"cuda_graphs": on_gpu,
-                    "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling}
+    scheduler = llm.llm_engine.vllm_config.scheduler_config
+    result: dict = {"cuda_graphs": on_gpu, "async_scheduling": scheduler.async_scheduling}
     for batch in E2E_BATCHES:
         outputs = llm.generate(prompts[:batch], params, use_tqdm=False)
         result[f"batch_{batch}"] = [list(o.outputs[0].token_ids) for o in outputs]

@@ -36,6 +36,31 @@ class Pair:
     block_size: int
 
 
+TRAINED_DIR = Path(__file__).parent / "fixtures" / "pair"
+# The committed pair built by examples/build_tiny_pair.py: its drafts are really accepted.
+TRAINED = Pair(target=TRAINED_DIR / "target", drafter=TRAINED_DIR / "drafter", block_size=8)
+
+
+def heldout_texts(count: int | None = None) -> list[str]:
+    """The trained pair's held-out prompts (Python source the target never trained on)."""
+    import json
+
+    lines = (TRAINED_DIR / "heldout_prompts.jsonl").read_text().splitlines()[:count]
+    return [json.loads(line)["prompt"] for line in lines]
+
+
+def heldout_ids(count: int | None = None) -> list[list[int]]:
+    """heldout_texts as token ids of the trained target's tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TRAINED.target)
+    return [tokenizer(text)["input_ids"] for text in heldout_texts(count)]
+
+
+def heldout_prompts(count: int | None = None) -> list[dict]:
+    return [{"prompt_token_ids": ids} for ids in heldout_ids(count)]
+
+
 def make_pair(root: Path, block_size: int = 8, num_layers: int = 2, seed: int = 0) -> Pair:
     """A random-weight Qwen3 target (4 layers, head_dim 64) and a matching random drafter."""
     from vllm_dflash.tiny import write_random_drafter, write_random_target
@@ -96,6 +121,26 @@ def speculative_config_stub(model: str, num_speculative_tokens: int, revision=No
     return SimpleNamespace(draft_model_config=draft, num_speculative_tokens=num_speculative_tokens,
                            draft_sample_method="greedy", rejection_sample_method="standard",
                            kv_cache_dtype=None, disable_padded_drafter_batch=False)
+
+
+def alone_batched_structured(llm, prompts: list[dict], max_tokens: int,
+                             alone: int | None = None) -> dict[str, list[list[int]]]:
+    """Greedy output of the first `alone` prompts one at a time (all by default), of all at
+    once, and of all at once with every other request held to a grammar (printable ASCII:
+    drafts pass it, and vLLM checks each against it)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    single = [generate_ids(llm, [p], max_tokens=max_tokens, ignore_eos=True)[0]
+              for p in prompts[:alone]]
+    batch = generate_ids(llm, prompts, max_tokens=max_tokens, ignore_eos=True)
+    printable = StructuredOutputsParams(regex=r"[ -~\n]*")
+    mixed = [SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                            structured_outputs=printable if i % 2 == 0 else None)
+             for i in range(len(prompts))]
+    structured = [list(o.outputs[0].token_ids)
+                  for o in llm.generate(prompts, mixed, use_tqdm=False)]
+    return {"alone": single, "batch": batch, "structured": structured}
 
 
 def generate_ids(llm, prompts: list, **params) -> list[list[int]]:

@@ -9,16 +9,21 @@ one that the policy switches off), with structured outputs, preemption and chunk
 and seeded sampling is reproducible."""
 
 import itertools
-import json
 import os
-from pathlib import Path
 
 import pytest
 
-from tests.engines import Pair, dflash_llm, generate_ids, plain_llm, spec_metrics
+from tests.engines import (
+    TRAINED,
+    Pair,
+    alone_batched_structured,
+    dflash_llm,
+    generate_ids,
+    heldout_prompts,
+    plain_llm,
+    spec_metrics,
+)
 
-PAIR_DIR = Path(__file__).parent / "fixtures" / "pair"
-PAIR = Pair(target=PAIR_DIR / "target", drafter=PAIR_DIR / "drafter", block_size=8)
 MAX_NEW_TOKENS = 48
 LONG_NEW_TOKENS = 120
 K = 7
@@ -64,30 +69,11 @@ def async_llm(pair: Pair, **kwargs):
 
 @pytest.fixture(scope="module")
 def prompts() -> list[dict]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(PAIR.target)
-    lines = (PAIR_DIR / "heldout_prompts.jsonl").read_text().splitlines()
-    return [{"prompt_token_ids": tokenizer(json.loads(line)["prompt"])["input_ids"]}
-            for line in lines]
+    return heldout_prompts()
 
 
 def outputs(llm, prompts: list[dict]) -> dict[str, list[list[int]]]:
-    """Greedy output of 4 prompts alone, of all at once, and of all at once with every other
-    request held to a grammar (printable ASCII)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
-
-    alone = [generate_ids(llm, [p], max_tokens=MAX_NEW_TOKENS, ignore_eos=True)[0]
-             for p in prompts[:4]]
-    batch = generate_ids(llm, prompts, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-    printable = StructuredOutputsParams(regex=r"[ -~\n]*")
-    mixed = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS,
-                            structured_outputs=printable if i % 2 == 0 else None)
-             for i in range(len(prompts))]
-    structured = [list(o.outputs[0].token_ids)
-                  for o in llm.generate(prompts, mixed, use_tqdm=False)]
-    return {"alone": alone, "batch": batch, "structured": structured}
+    return alone_batched_structured(llm, prompts, MAX_NEW_TOKENS, alone=4)
 
 
 def long_outputs(llm, prompts: list[dict]) -> list[list[int]]:
@@ -97,7 +83,7 @@ def long_outputs(llm, prompts: list[dict]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def baseline(prompts):
-    llm = plain_llm(PAIR.target, max_num_seqs=16)
+    llm = plain_llm(TRAINED.target, max_num_seqs=16)
     result = outputs(llm, prompts) | {"long": long_outputs(llm, prompts)}
     del llm
     return result
@@ -105,7 +91,7 @@ def baseline(prompts):
 
 @pytest.mark.parametrize("draft_length", ["fixed", "adaptive"], indirect=True)
 def test_greedy_equals_no_speculation(draft_length, baseline, prompts):
-    llm = async_llm(PAIR)
+    llm = async_llm(TRAINED)
     try:
         got = outputs(llm, prompts)
         m = spec_metrics(llm)
@@ -125,8 +111,8 @@ def test_useless_drafter_is_switched_off_losslessly(draft_length, baseline, prom
     from vllm_dflash.tiny import write_random_drafter
 
     drafter = tmp_path_factory.mktemp("random") / "drafter"
-    write_random_drafter(drafter, PAIR.target, block_size=8, num_layers=1)
-    llm = async_llm(Pair(PAIR.target, drafter, 8))
+    write_random_drafter(drafter, TRAINED.target, block_size=8, num_layers=1)
+    llm = async_llm(Pair(TRAINED.target, drafter, 8))
     try:
         got = outputs(llm, prompts)
         m = spec_metrics(llm)
@@ -141,7 +127,7 @@ def test_useless_drafter_is_switched_off_losslessly(draft_length, baseline, prom
 def test_preemption_and_chunked_prefill(draft_length, baseline, prompts):
     # 8 KV blocks of 128 tokens for 16 requests that each need 2: the scheduler preempts and
     # recomputes; a 64-token budget chunks the prompts.
-    llm = async_llm(PAIR, num_gpu_blocks_override=8, max_num_batched_tokens=64)
+    llm = async_llm(TRAINED, num_gpu_blocks_override=8, max_num_batched_tokens=64)
     try:
         assert long_outputs(llm, prompts) == baseline["long"]
         preemptions = {m.name: m for m in llm.get_metrics()}["vllm:num_preemptions"].value
@@ -156,7 +142,7 @@ def test_preemption_and_chunked_prefill(draft_length, baseline, prompts):
 def test_seeded_sampling_is_reproducible(draft_length, prompts):
     from vllm import SamplingParams
 
-    llm = async_llm(PAIR)
+    llm = async_llm(TRAINED)
     try:
         params = [SamplingParams(max_tokens=32, temperature=1.0, seed=i) if i % 2 else
                   SamplingParams(max_tokens=32, temperature=0.0) for i in range(len(prompts))]

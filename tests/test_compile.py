@@ -3,9 +3,8 @@ compiled target and greedy output still equals the compiled no-speculation outpu
 
 from pathlib import Path
 
-from tests.engines import MAX_MODEL_LEN, Pair, generate_ids
+from tests.engines import MAX_MODEL_LEN, TRAINED, generate_ids
 
-PAIR_DIR = Path(__file__).parent / "fixtures" / "pair"
 PROMPTS = ["def main():\n", "import os\n", "class Stack:\n    def push(self, item):\n"]
 
 
@@ -17,7 +16,7 @@ def compiled_llm(target: Path, **kwargs):
 
 
 def test_compiled_greedy_equals_no_speculation():
-    pair = Pair(PAIR_DIR / "target", PAIR_DIR / "drafter", block_size=8)
+    pair = TRAINED
     plain = compiled_llm(pair.target)
     want = generate_ids(plain, PROMPTS, max_tokens=40)
     del plain

@@ -9,30 +9,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines import two_rank_cores
+from tests.engines import TRAINED, heldout_texts, two_rank_cores
 from tests.test_serve import Server, running, server_model
 
-PAIR_DIR = Path(__file__).resolve().parent / "fixtures" / "pair"
 MAX_NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("data_parallel")
-    spec = {"method": "dflash", "model": str(PAIR_DIR / "drafter"), "num_speculative_tokens": 7}
+    spec = {"method": "dflash", "model": str(TRAINED.drafter), "num_speculative_tokens": 7}
     servers = [
-        Server(str(PAIR_DIR / "target"), None, str(root / "plain.log")),
-        Server(str(PAIR_DIR / "target"), spec, str(root / "dflash.log"),
+        Server(str(TRAINED.target), None, str(root / "plain.log")),
+        Server(str(TRAINED.target), spec, str(root / "dflash.log"),
                extra_args=("--data-parallel-size", "2"),
                extra_env={"VLLM_CPU_OMP_THREADS_BIND": two_rank_cores()}),
     ]
     with running(servers):
         yield servers
-
-
-def prompts() -> list[str]:
-    lines = (PAIR_DIR / "heldout_prompts.jsonl").read_text().splitlines()
-    return [json.loads(line)["prompt"] for line in lines]
 
 
 def completion(server: Server, prompt: str, **sampling) -> str:
@@ -58,7 +52,7 @@ def engine_counters(server: Server, name: str) -> dict[str, float]:
 
 def test_greedy_equals_no_speculation_with_two_engines(servers):
     plain, dflash = servers
-    texts = prompts()
+    texts = heldout_texts()
     expected = concurrent_completions(plain, texts)
     assert concurrent_completions(dflash, texts) == expected
     assert [completion(dflash, prompt) for prompt in texts[:3]] == expected[:3]
@@ -66,7 +60,7 @@ def test_greedy_equals_no_speculation_with_two_engines(servers):
 
 def test_both_engines_draft_and_accept(servers):
     _, dflash = servers
-    concurrent_completions(dflash, prompts())
+    concurrent_completions(dflash, heldout_texts())
     drafts = engine_counters(dflash, "num_drafts")
     draft_tokens = engine_counters(dflash, "num_draft_tokens")
     accepted = engine_counters(dflash, "num_accepted_tokens")
@@ -80,7 +74,7 @@ def test_both_engines_draft_and_accept(servers):
 
 def test_seeded_sampling_does_not_depend_on_the_engine(servers):
     _, dflash = servers
-    texts = prompts()[:8]
+    texts = heldout_texts(8)
     sampling = {"temperature": 0.8, "top_p": 0.9, "seed": 7}
     first = concurrent_completions(dflash, texts, **sampling)
     again = concurrent_completions(dflash, texts[::-1], **sampling)[::-1]

@@ -2,16 +2,23 @@
 output identical to no speculation at concurrency 1 and 16; a good drafter keeps drafting and a
 useless one is all but switched off."""
 
-import json
 import logging
 import os
-from pathlib import Path
 
 import pytest
 
-from tests.engines import LogLines, Pair, dflash_llm, generate_ids, plain_llm, spec_metrics
+from tests.engines import (
+    TRAINED,
+    LogLines,
+    Pair,
+    alone_batched_structured,
+    dflash_llm,
+    generate_ids,
+    heldout_prompts,
+    plain_llm,
+    spec_metrics,
+)
 
-PAIR_DIR = Path(__file__).parent / "fixtures" / "pair"
 MAX_NEW_TOKENS = 48
 LONG_NEW_TOKENS = 120
 K = 7
@@ -37,31 +44,11 @@ def adaptive():
 
 @pytest.fixture(scope="module")
 def prompts() -> list[dict]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(PAIR_DIR / "target")
-    lines = (PAIR_DIR / "heldout_prompts.jsonl").read_text().splitlines()
-    return [{"prompt_token_ids": tokenizer(json.loads(line)["prompt"])["input_ids"]}
-            for line in lines]
+    return heldout_prompts()
 
 
 def outputs(llm, prompts: list[dict]) -> dict[str, list[list[int]]]:
-    """Greedy output of every prompt alone (concurrency 1), then of all at once (16), then of
-    all at once with every other request held to a grammar (printable ASCII: drafts pass it,
-    and vLLM checks each against it)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
-
-    alone = [generate_ids(llm, [p], max_tokens=MAX_NEW_TOKENS, ignore_eos=True)[0]
-             for p in prompts]
-    batch = generate_ids(llm, prompts, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-    printable = StructuredOutputsParams(regex=r"[ -~\n]*")
-    mixed = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS,
-                            structured_outputs=printable if i % 2 == 0 else None)
-             for i in range(len(prompts))]
-    structured = [list(o.outputs[0].token_ids)
-                  for o in llm.generate(prompts, mixed, use_tqdm=False)]
-    return {"alone": alone, "batch": batch, "structured": structured}
+    return alone_batched_structured(llm, prompts, MAX_NEW_TOKENS)
 
 
 def long_outputs(llm, prompts: list[dict]) -> list[list[int]]:
@@ -71,7 +58,7 @@ def long_outputs(llm, prompts: list[dict]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def baseline(prompts):
-    llm = plain_llm(PAIR_DIR / "target", max_num_seqs=16)
+    llm = plain_llm(TRAINED.target, max_num_seqs=16)
     result = outputs(llm, prompts) | {"long": long_outputs(llm, prompts)}
     del llm
     return result
@@ -79,8 +66,7 @@ def baseline(prompts):
 
 @pytest.fixture(scope="module")
 def trained_run(adaptive, baseline, prompts):
-    pair = Pair(target=PAIR_DIR / "target", drafter=PAIR_DIR / "drafter", block_size=8)
-    llm = dflash_llm(pair, K, max_num_seqs=16)
+    llm = dflash_llm(TRAINED, K, max_num_seqs=16)
     result = outputs(llm, prompts)
     metrics = spec_metrics(llm)  # read before the next engine re-registers vLLM's metrics
     del llm
@@ -92,8 +78,8 @@ def useless_run(adaptive, baseline, prompts, tmp_path_factory):
     from vllm_dflash.tiny import write_random_drafter
 
     drafter = tmp_path_factory.mktemp("random") / "drafter"
-    write_random_drafter(drafter, PAIR_DIR / "target", block_size=8, num_layers=1)
-    llm = dflash_llm(Pair(PAIR_DIR / "target", drafter, 8), K, max_num_seqs=16)
+    write_random_drafter(drafter, TRAINED.target, block_size=8, num_layers=1)
+    llm = dflash_llm(Pair(TRAINED.target, drafter, 8), K, max_num_seqs=16)
     result = outputs(llm, prompts)
     metrics = spec_metrics(llm)
     del llm
@@ -110,8 +96,7 @@ def test_adaptive_greedy_equals_no_speculation_at_concurrency_1_and_16(baseline,
 def test_seeded_sampling_is_reproducible_with_adaptive_lengths(trained_run, prompts):
     from vllm import SamplingParams
 
-    pair = Pair(target=PAIR_DIR / "target", drafter=PAIR_DIR / "drafter", block_size=8)
-    llm = dflash_llm(pair, K, max_num_seqs=16)
+    llm = dflash_llm(TRAINED, K, max_num_seqs=16)
     try:
         # Seeded and greedy requests in one batch: greedy ones keep adaptive lengths.
         params = [SamplingParams(max_tokens=32, temperature=1.0, seed=i) if i % 2 else
@@ -150,8 +135,7 @@ def test_useless_drafter_is_switched_off_losslessly(baseline, useless_run):
 def test_preemption_and_chunked_prefill_with_adaptive_lengths(adaptive, baseline, prompts):
     # 8 KV blocks of 128 tokens for 16 requests that each need 2: the scheduler preempts and
     # recomputes while draft lengths vary per request; a 64-token budget chunks the prompts.
-    pair = Pair(target=PAIR_DIR / "target", drafter=PAIR_DIR / "drafter", block_size=8)
-    llm = dflash_llm(pair, K, max_num_seqs=16, num_gpu_blocks_override=8,
+    llm = dflash_llm(TRAINED, K, max_num_seqs=16, num_gpu_blocks_override=8,
                      max_num_batched_tokens=64)
     try:
         assert long_outputs(llm, prompts) == baseline["long"]

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.test_verify import _assert_distribution
+from tests.chi_square import assert_distribution
 from vllm_dflash.draft_sampling import DraftSampling, draft_sampling, sample_drafts
 
 VOCAB = 12
@@ -18,11 +18,12 @@ def test_sampled_tokens_follow_the_tempered_distribution():
     batch, k = 4000, 3
     logits = torch.randn(k, VOCAB).expand(batch, k, VOCAB)
     temperature = torch.full((batch,), 0.7)
-    tokens, q = sample_drafts(logits, DraftSampling(temperature, torch.ones(batch, dtype=torch.bool)))
+    everyone = torch.ones(batch, dtype=torch.bool)
+    tokens, q = sample_drafts(logits, DraftSampling(temperature, everyone))
     expected = (logits[0] / 0.7).softmax(dim=-1)
     torch.testing.assert_close(q, expected.expand(batch, k, VOCAB))
     for pos in range(k):
-        _assert_distribution(tokens[:, pos], expected[pos])
+        assert_distribution(tokens[:, pos], expected[pos])
 
 
 def test_unsampled_requests_draft_the_argmax_with_a_one_hot_distribution():
@@ -42,8 +43,8 @@ def test_unsampled_requests_draft_the_argmax_with_a_one_hot_distribution():
 
 @pytest.mark.parametrize("all_greedy", [True, False])
 def test_draft_sampling_from_vllm_metadata(all_greedy: bool):
-    metadata = SimpleNamespace(all_greedy=all_greedy,
-                               temperature=None if all_greedy else torch.tensor([0.0, 0.8, 1.0, 0.5]),
+    temperature = None if all_greedy else torch.tensor([0.0, 0.8, 1.0, 0.5])
+    metadata = SimpleNamespace(all_greedy=all_greedy, temperature=temperature,
                                generators={2: torch.Generator()})
     sampling = draft_sampling(metadata, 4)
     if all_greedy:

@@ -155,8 +155,9 @@ def test_llm_runs_a_hub_drafter_at_a_revision(hub_cache: Path, drafter: Path) ->
     the one checked in the caller's process (7 drafts refused, before any engine starts)."""
     env = {**os.environ, "HF_HUB_CACHE": str(hub_cache.parents[2]), "HF_HUB_OFFLINE": "1",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    result = subprocess.run([sys.executable, "-c", HUB_ENGINE_SCRIPT, str(drafter.parent / "target")],
-                            env=env, capture_output=True, text=True, timeout=600, check=False)
+    command = [sys.executable, "-c", HUB_ENGINE_SCRIPT, str(drafter.parent / "target")]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600,
+                            check=False)
     log = result.stdout + result.stderr
     assert "GENERATED 8" in result.stdout, log[-4000:]
     assert "block_size=4, num_speculative_tokens=3" in log, log[-4000:]

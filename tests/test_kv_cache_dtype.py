@@ -1,14 +1,16 @@
 """An fp8 KV cache for the target (`kv_cache_dtype="fp8"`): the drafter's context cache keeps
 the model dtype; greedy output equals the fp8 engine's without speculation."""
 
-import json
-from pathlib import Path
-
 import torch
 
-from tests.engines import Pair, dflash_llm, generate_ids, plain_llm, spec_metrics
-
-PAIR_DIR = Path(__file__).parent / "fixtures" / "pair"
+from tests.engines import (
+    TRAINED,
+    dflash_llm,
+    generate_ids,
+    heldout_prompts,
+    plain_llm,
+    spec_metrics,
+)
 
 
 def cache_dtypes(worker) -> tuple[set, set]:
@@ -21,17 +23,11 @@ def cache_dtypes(worker) -> tuple[set, set]:
 
 
 def test_fp8_kv_cache_equals_no_speculation():
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(PAIR_DIR / "target")
-    lines = (PAIR_DIR / "heldout_prompts.jsonl").read_text().splitlines()[:8]
-    prompts = [{"prompt_token_ids": tokenizer(json.loads(line)["prompt"])["input_ids"]}
-               for line in lines]
-    llm = plain_llm(PAIR_DIR / "target", kv_cache_dtype="fp8")
+    prompts = heldout_prompts(8)
+    llm = plain_llm(TRAINED.target, kv_cache_dtype="fp8")
     want = generate_ids(llm, prompts, max_tokens=48, ignore_eos=True)
     del llm
-    pair = Pair(target=PAIR_DIR / "target", drafter=PAIR_DIR / "drafter", block_size=8)
-    llm = dflash_llm(pair, pair.block_size - 1, kv_cache_dtype="fp8")
+    llm = dflash_llm(TRAINED, TRAINED.block_size - 1, kv_cache_dtype="fp8")
     target_dtypes, draft_dtypes = llm.collective_rpc(cache_dtypes)[0]
     assert target_dtypes == {torch.uint8} and draft_dtypes == {torch.float32}
     assert generate_ids(llm, prompts, max_tokens=48, ignore_eos=True) == want

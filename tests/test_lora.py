@@ -7,26 +7,24 @@ index the adapter slots with the base rows' index -1, i.e. the last slot, so suc
 runs with another request's adapter, with or without speculation, and its output depends on
 the batch (test_base_rows_beside_adapters_differ_without_speculation records it)."""
 
-import json
-from pathlib import Path
-
 import pytest
 
-from tests.engines import Pair, dflash_llm, plain_llm, spec_metrics, write_random_lora
+from tests.engines import (
+    TRAINED,
+    dflash_llm,
+    heldout_prompts,
+    plain_llm,
+    spec_metrics,
+    write_random_lora,
+)
 
-PAIR_DIR = Path(__file__).parent / "fixtures" / "pair"
 MAX_NEW_TOKENS = 32
 LORA = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[dict]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(PAIR_DIR / "target")
-    lines = (PAIR_DIR / "heldout_prompts.jsonl").read_text().splitlines()[:6]
-    return [{"prompt_token_ids": tokenizer(json.loads(line)["prompt"])["input_ids"]}
-            for line in lines]
+    return heldout_prompts(6)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +33,7 @@ def adapters(tmp_path_factory) -> list:
 
     root = tmp_path_factory.mktemp("lora")
     return [LoRARequest(f"adapter{i}", i + 1,
-                        str(write_random_lora(PAIR_DIR / "target", root / str(i), seed=i)))
+                        str(write_random_lora(TRAINED.target, root / str(i), seed=i)))
             for i in range(2)]
 
 
@@ -57,7 +55,7 @@ def run(llm, prompts: list[dict], adapters: list) -> dict[str, list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def baseline(prompts, adapters):
-    llm = plain_llm(PAIR_DIR / "target", **LORA)
+    llm = plain_llm(TRAINED.target, **LORA)
     outputs = run(llm, prompts, adapters)
     del llm
     return outputs
@@ -65,8 +63,7 @@ def baseline(prompts, adapters):
 
 @pytest.fixture(scope="module")
 def speculative(prompts, adapters, baseline):
-    pair = Pair(target=PAIR_DIR / "target", drafter=PAIR_DIR / "drafter", block_size=8)
-    llm = dflash_llm(pair, 7, **LORA)
+    llm = dflash_llm(TRAINED, 7, **LORA)
     outputs = run(llm, prompts, adapters)
     metrics = spec_metrics(llm)
     del llm

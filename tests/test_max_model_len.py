@@ -9,22 +9,22 @@
   token and they accept as many drafts beside such a request as without it.
 """
 
-import json
 from pathlib import Path
 
 import pytest
 
 from tests.engines import (
     MAX_MODEL_LEN,
+    TRAINED,
     Pair,
     dflash_llm,
     generate_ids,
+    heldout_ids,
     plain_llm,
     prompts_of_lengths,
     spec_metrics,
 )
 
-PAIR_DIR = Path(__file__).parent / "fixtures" / "pair"
 MAX_POSITIONS = 256
 PROMPT_LENGTHS = (1, 100, 200, 250)
 
@@ -50,15 +50,10 @@ def default_max_model_len_outputs(root: Path) -> dict:
 def neighbour_outputs() -> dict:
     """Held-out prompts alone, a prompt a few tokens short of max_model_len alone, and both in
     one batch: outputs and accepted draft tokens of each run."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(PAIR_DIR / "target")
-    lines = (PAIR_DIR / "heldout_prompts.jsonl").read_text().splitlines()
-    ids = [tokenizer(json.loads(line)["prompt"])["input_ids"] for line in lines]
+    ids = heldout_ids()
     short = [{"prompt_token_ids": i} for i in ids[1:9]]
     near_end = [{"prompt_token_ids": (ids[0] * 20)[: MAX_MODEL_LEN - 17]}]
-    pair = Pair(target=PAIR_DIR / "target", drafter=PAIR_DIR / "drafter", block_size=8)
-    llm = dflash_llm(pair, pair.block_size - 1)
+    llm = dflash_llm(TRAINED, TRAINED.block_size - 1)
     result = {}
     for name, prompts in (("short", short), ("near_end", near_end),
                           ("together", short + near_end)):

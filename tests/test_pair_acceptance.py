@@ -1,32 +1,33 @@
 """The committed trained pair (tests/fixtures/pair): real acceptance through vLLM on held-out
 prompts the drafter never saw, equal to the reference package's, with lossless output."""
 
-import json
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.engines import Pair, dflash_llm, generate_ids, plain_llm, spec_metrics
+from tests.engines import (
+    TRAINED,
+    Pair,
+    dflash_llm,
+    generate_ids,
+    heldout_ids,
+    plain_llm,
+    spec_metrics,
+)
 
-PAIR_DIR = Path(__file__).parent / "fixtures" / "pair"
 MAX_NEW_TOKENS = 64
 MIN_ACCEPTANCE = 2.5
 
 
 @pytest.fixture(scope="module")
 def pair() -> Pair:
-    return Pair(target=PAIR_DIR / "target", drafter=PAIR_DIR / "drafter", block_size=8)
+    return TRAINED
 
 
 @pytest.fixture(scope="module")
-def prompt_ids(pair) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(pair.target)
-    lines = (PAIR_DIR / "heldout_prompts.jsonl").read_text().splitlines()
-    return [tokenizer(json.loads(line)["prompt"])["input_ids"] for line in lines]
+def prompt_ids() -> list[list[int]]:
+    return heldout_ids()
 
 
 @pytest.fixture(scope="module")

@@ -3,27 +3,24 @@ requests draw their drafts from the drafter's distribution, which vLLM's runner 
 verification; greedy output is unchanged, top-k 1 still equals greedy, seeded requests stay
 reproducible, and at T = 1 more drafts are accepted than with greedy drafts."""
 
-import json
-from pathlib import Path
-
 import pytest
 
-from tests.engines import Pair, dflash_llm, generate_ids, plain_llm, spec_metrics
+from tests.engines import (
+    TRAINED,
+    dflash_llm,
+    generate_ids,
+    heldout_prompts,
+    plain_llm,
+    spec_metrics,
+)
 
-PAIR_DIR = Path(__file__).parent / "fixtures" / "pair"
-PAIR = Pair(target=PAIR_DIR / "target", drafter=PAIR_DIR / "drafter", block_size=8)
 K = 7
 MAX_NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[dict]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(PAIR.target)
-    lines = (PAIR_DIR / "heldout_prompts.jsonl").read_text().splitlines()
-    return [{"prompt_token_ids": tokenizer(json.loads(line)["prompt"])["input_ids"]}
-            for line in lines]
+    return heldout_prompts()
 
 
 def acceptance_at_t1(llm, prompts: list[dict]) -> float:
@@ -55,7 +52,7 @@ def run(llm, prompts: list[dict]) -> dict:
 
 @pytest.fixture(scope="module")
 def baseline(prompts):
-    llm = plain_llm(PAIR.target, max_num_seqs=16)
+    llm = plain_llm(TRAINED.target, max_num_seqs=16)
     result = generate_ids(llm, prompts, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     del llm
     return result
@@ -63,7 +60,7 @@ def baseline(prompts):
 
 @pytest.fixture(scope="module")
 def greedy_drafts(baseline, prompts):
-    llm = dflash_llm(PAIR, K, max_num_seqs=16)
+    llm = dflash_llm(TRAINED, K, max_num_seqs=16)
     result = acceptance_at_t1(llm, prompts)
     del llm
     return result
@@ -71,7 +68,7 @@ def greedy_drafts(baseline, prompts):
 
 @pytest.fixture(scope="module")
 def sampled_drafts(greedy_drafts, prompts):
-    llm = dflash_llm(PAIR, K, {"draft_sample_method": "probabilistic"}, max_num_seqs=16)
+    llm = dflash_llm(TRAINED, K, {"draft_sample_method": "probabilistic"}, max_num_seqs=16)
     result = run(llm, prompts)
     del llm
     return result

@@ -4,32 +4,25 @@ Greedy output equals no speculation for embedding prompts, token-id prompts and 
 batch, with prompts prefilled in chunks; the drafts accepted are those of the same prompts
 given as token ids."""
 
-import json
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.engines import Pair, dflash_llm, generate_ids, plain_llm, spec_metrics
+from tests.engines import TRAINED, dflash_llm, generate_ids, heldout_ids, plain_llm, spec_metrics
 
-PAIR_DIR = Path(__file__).parent / "fixtures" / "pair"
 # Below the longest prompt (200 tokens): its prefill runs in chunks.
 MAX_BATCHED_TOKENS = 64
 GREEDY = {"max_tokens": 48, "ignore_eos": True}
 
 
 def prompt_ids() -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(PAIR_DIR / "target")
-    lines = (PAIR_DIR / "heldout_prompts.jsonl").read_text().splitlines()[:8]
-    ids = [tokenizer(json.loads(line)["prompt"])["input_ids"] for line in lines]
+    ids = heldout_ids(8)
     return [*ids, (ids[0] + ids[1] + ids[2] + ids[3])[:200]]
 
 
 def as_embeds(ids: list[list[int]]) -> list[dict]:
-    weights = load_file(str(PAIR_DIR / "target" / "model.safetensors"))
+    weights = load_file(str(TRAINED.target / "model.safetensors"))
     table = weights["model.embed_tokens.weight"]
     return [{"prompt_embeds": table[torch.tensor(i)].clone()} for i in ids]
 
@@ -51,11 +44,10 @@ def results() -> dict:
     ids = prompt_ids()
     assert max(map(len, ids)) > MAX_BATCHED_TOKENS
     engine = {"enable_prompt_embeds": True, "max_num_batched_tokens": MAX_BATCHED_TOKENS}
-    llm = plain_llm(PAIR_DIR / "target", **engine)
+    llm = plain_llm(TRAINED.target, **engine)
     plain = run(llm, ids)
     del llm
-    pair = Pair(target=PAIR_DIR / "target", drafter=PAIR_DIR / "drafter", block_size=8)
-    llm = dflash_llm(pair, pair.block_size - 1, **engine)
+    llm = dflash_llm(TRAINED, TRAINED.block_size - 1, **engine)
     return {"plain": plain, "dflash": run(llm, ids)}
 
 

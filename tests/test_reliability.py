@@ -25,14 +25,15 @@ import torch
 
 from tests.engines import (
     MAX_MODEL_LEN,
+    TRAINED,
     Pair,
     dflash_llm,
     generate_ids,
+    heldout_prompts,
     make_pair,
     plain_llm,
 )
 
-TRAINED_DIR = Path(__file__).parent / "fixtures" / "pair"
 SUBPROCESS_TIMEOUT_S = 600
 SETTLE_TIMEOUT_S = 120
 
@@ -112,7 +113,7 @@ def random_pair(tmp_path_factory) -> Pair:
 
 @pytest.fixture(scope="module")
 def trained() -> Pair:
-    return Pair(target=TRAINED_DIR / "target", drafter=TRAINED_DIR / "drafter", block_size=8)
+    return TRAINED
 
 
 @pytest.fixture(scope="module")
@@ -123,10 +124,8 @@ def tokenizer(trained):
 
 
 @pytest.fixture(scope="module")
-def prompts(trained, tokenizer) -> list[dict]:
-    lines = (TRAINED_DIR / "heldout_prompts.jsonl").read_text().splitlines()[:8]
-    return [{"prompt_token_ids": tokenizer(json.loads(line)["prompt"])["input_ids"]}
-            for line in lines]
+def prompts() -> list[dict]:
+    return heldout_prompts(8)
 
 
 @pytest.fixture(scope="module")

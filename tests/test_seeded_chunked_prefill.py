@@ -9,14 +9,10 @@ Speculation draws from the request's generator too, so each engine is compared w
 engine unchunked, not with the other.
 """
 
-import json
-from pathlib import Path
-
 import pytest
 
-from tests.engines import Pair, dflash_llm, plain_llm, spec_metrics
+from tests.engines import TRAINED, Pair, dflash_llm, heldout_ids, plain_llm, spec_metrics
 
-TRAINED_DIR = Path(__file__).parent / "fixtures" / "pair"
 # 64 tokens a step: the 300- and 130-token prompts take several steps, the short ones share the
 # budget with them. 1024: the whole batch (about 650 prompt tokens) is prefilled in one step.
 CHUNKED = {"max_num_batched_tokens": 64}
@@ -26,17 +22,13 @@ UNCHUNKED = {"max_num_batched_tokens": 1024}
 @pytest.fixture(scope="module")
 def trained() -> Pair:
     # Its drafts are really accepted, so seeded requests go through rejection sampling.
-    return Pair(target=TRAINED_DIR / "target", drafter=TRAINED_DIR / "drafter", block_size=8)
+    return TRAINED
 
 
 @pytest.fixture(scope="module")
-def batch(trained) -> list[dict]:
+def batch() -> list[dict]:
     """Prompts of 300 and 130 tokens, then four held-out prompts (42 to 60 tokens)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(trained.target)
-    lines = (TRAINED_DIR / "heldout_prompts.jsonl").read_text().splitlines()[:8]
-    prompts = [tokenizer(json.loads(line)["prompt"])["input_ids"] for line in lines]
+    prompts = heldout_ids(8)
     text = [t for p in prompts for t in p]
     return [{"prompt_token_ids": ids} for ids in (text[:300], text[:130], *prompts[:4])]
 

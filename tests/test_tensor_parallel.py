@@ -13,32 +13,26 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines import two_rank_cores
+from tests.engines import heldout_prompts, two_rank_cores
 
 REPO = Path(__file__).resolve().parent.parent
-PAIR_DIR = REPO / "tests" / "fixtures" / "pair"
 MAX_NEW_TOKENS = 64
 
 
 def run_engines() -> dict:
     """Script entry: both engines' outputs and the speculative one's metrics."""
-    from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    from tests.engines import Pair, dflash_llm, generate_ids, plain_llm, spec_metrics
+    from tests.engines import TRAINED, dflash_llm, generate_ids, plain_llm, spec_metrics
 
-    tokenizer = AutoTokenizer.from_pretrained(PAIR_DIR / "target")
-    lines = (PAIR_DIR / "heldout_prompts.jsonl").read_text().splitlines()
-    prompts = [{"prompt_token_ids": tokenizer(json.loads(line)["prompt"])["input_ids"]}
-               for line in lines]
+    prompts = heldout_prompts()
     parallel = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
     greedy = {"max_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
 
-    llm = plain_llm(PAIR_DIR / "target", **parallel)
+    llm = plain_llm(TRAINED.target, **parallel)
     result = {"plain": generate_ids(llm, prompts, **greedy)}
     del llm
-    pair = Pair(target=PAIR_DIR / "target", drafter=PAIR_DIR / "drafter", block_size=8)
-    llm = dflash_llm(pair, pair.block_size - 1, **parallel)
+    llm = dflash_llm(TRAINED, TRAINED.block_size - 1, **parallel)
     result["dflash"] = generate_ids(llm, prompts, **greedy)
     result["alone"] = [generate_ids(llm, [p], **greedy)[0] for p in prompts[:4]]
     result["metrics"] = spec_metrics(llm)

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PAIR_DIR = REPO / "tests" / "fixtures" / "pair"
 MAX_NEW_TOKENS = 40
 MAX_NUM_SEQS = 8  # DraftGraphs pads every step up to a captured size; keep the largest small
 
@@ -66,8 +65,8 @@ def _eager_draft_graphs(worker) -> list[int]:
 
     def compared_run(anchors, batch):
         hidden = run(anchors, batch)
-        tokens = drafter.choose_tokens(hidden)
-        expected = drafter.choose_tokens(drafter.draft_hidden(anchors, batch))
+        tokens, _ = drafter.choose_tokens(hidden)
+        expected, _ = drafter.choose_tokens(drafter.draft_hidden(anchors, batch))
         graphs.stats["padded_steps"] += anchors.shape[0] not in graphs.sizes
         graphs.stats["tokens"] += expected.numel()
         graphs.stats["different"] += int((tokens != expected).sum())
@@ -83,16 +82,18 @@ def _draft_graph_stats(worker) -> Counter:
 
 def run_checks(result_path: str) -> None:
     """Script entry (TRITON_INTERPRET=1 set by the caller): each check's "ok" or traceback."""
-    from transformers import AutoTokenizer
-
-    from tests.engines import Pair, dflash_llm, generate_ids, plain_llm, spec_metrics
+    from tests.engines import (
+        TRAINED,
+        dflash_llm,
+        generate_ids,
+        heldout_prompts,
+        plain_llm,
+        spec_metrics,
+    )
 
     routes = KernelRoutes()
-    pair = Pair(target=PAIR_DIR / "target", drafter=PAIR_DIR / "drafter", block_size=8)
-    tokenizer = AutoTokenizer.from_pretrained(pair.target)
-    lines = (PAIR_DIR / "heldout_prompts.jsonl").read_text().splitlines()[:6]
-    prompts = [{"prompt_token_ids": tokenizer(json.loads(line)["prompt"])["input_ids"]}
-               for line in lines]
+    pair = TRAINED
+    prompts = heldout_prompts(6)
     prompts.append({"prompt_token_ids": prompts[0]["prompt_token_ids"][:1]})  # one token
     greedy = {"max_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
 

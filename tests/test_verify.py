@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.chi_square import assert_distribution, chi_square, critical
 from vllm_dflash.kernels.verify import (
     draw_randoms,
     greedy_walk_torch,
@@ -25,38 +26,10 @@ from vllm_dflash.kernels.verify import (
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_SAMPLES = 100_000
-# Chi-square critical values at p = 0.001, by degrees of freedom (used without scipy).
-CHI2_CRITICAL_0_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 30: 59.703}
 
 
 def _cu(counts: list[int]) -> torch.Tensor:
     return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
-
-
-def _critical(df: int) -> float:
-    try:
-        from scipy.stats import chi2
-    except ImportError:
-        return CHI2_CRITICAL_0_001[df]
-    return float(chi2.ppf(0.999, df))
-
-
-def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    """Statistic and degrees of freedom of observed counts [..., V] against probs [..., V]
-    (one independent goodness-of-fit test per leading index, summed). Categories with zero
-    probability must never be observed."""
-    probs = probs.reshape(-1, probs.shape[-1])
-    counts = counts.reshape(probs.shape).double()
-    assert counts[probs == 0].sum() == 0, "a token of probability zero was emitted"
-    expected = counts.sum(dim=1, keepdim=True) * probs.double()
-    support = probs > 0
-    stat = ((counts - expected)[support] ** 2 / expected[support]).sum().item()
-    return stat, int(support.sum().item()) - counts.shape[0]
-
-
-def _assert_distribution(tokens: torch.Tensor, probs: torch.Tensor) -> None:
-    stat, df = _chi_square(torch.bincount(tokens, minlength=probs.shape[-1]), probs)
-    assert stat < _critical(df), f"chi-square {stat:.1f} >= critical at p=0.001 (df {df})"
 
 
 def _sample(probs: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
@@ -120,9 +93,9 @@ Q = torch.tensor([0.50, 0.30, 0.20, 0.00, 0.00, 0.00])
 @pytest.mark.parametrize("probabilistic", [False, True], ids=["one-hot", "draft-probs"])
 def test_first_token_follows_target(probabilistic: bool) -> None:
     drafts, out = _first_token_batch(P, Q, probabilistic)
-    _assert_distribution(out[:, 0].long(), P)
-    stat, df = _chi_square(torch.bincount(drafts[drafts < 3], minlength=6), P)
-    assert stat > 100 * _critical(df), "the test cannot tell the draft distribution from p"
+    assert_distribution(out[:, 0].long(), P)
+    stat, df = chi_square(torch.bincount(drafts[drafts < 3], minlength=6), P)
+    assert stat > 100 * critical(df), "the test cannot tell the draft distribution from p"
     assert ((out[:, 1] == -7) == (out[:, 0] == drafts)).all()  # bonus exactly on acceptance
 
 
@@ -133,7 +106,7 @@ def test_first_token_follows_top_k_top_p_target(probabilistic: bool) -> None:
     assert (p == 0).sum() == 3  # top-k drops two tokens, top-p one more
     q = torch.softmax(torch.tensor([0.0, 1.0, 0.5, 0.2, -0.5, 1.0]), dim=0)
     _, out = _first_token_batch(p, q, probabilistic)
-    _assert_distribution(out[:, 0].long(), p)
+    assert_distribution(out[:, 0].long(), p)
 
 
 @pytest.mark.parametrize("probabilistic", [False, True], ids=["one-hot", "draft-probs"])
@@ -156,14 +129,14 @@ def test_second_token_given_first_accepted(probabilistic: bool) -> None:
                            draft_probs if probabilistic else None, target,
                            torch.full((NUM_SAMPLES,), -7),
                            torch.zeros(NUM_SAMPLES, dtype=torch.bool), {})
-    _assert_distribution(out[:, 0].long(), p1)
+    assert_distribution(out[:, 0].long(), p1)
     continued = out[:, 0].long() == d1
     counts = torch.zeros(vocab, vocab, dtype=torch.long)
     counts.index_put_((d1[continued], out[continued, 1].long()),
                       torch.ones(int(continued.sum()), dtype=torch.long), accumulate=True)
-    stat, df = _chi_square(counts, p2_table)
+    stat, df = chi_square(counts, p2_table)
     assert df == vocab * (vocab - 1)
-    assert stat < _critical(df), f"chi-square {stat:.1f} (df {df})"
+    assert stat < critical(df), f"chi-square {stat:.1f} (df {df})"
 
 
 def test_sampling_probs_definition() -> None:
@@ -384,5 +357,5 @@ def test_vllm_adapter_synthetic_mode_accepts_at_the_set_rates(all_greedy: bool) 
                    synthetic_conditional_rates=torch.full((k,), 0.5))
     accepted = (out >= 0).sum(dim=1) - 1
     expected = torch.tensor([0.5 ** (j + 1) for j in range(k)] + [0.5**k])
-    stat, df = _chi_square(torch.bincount(accepted, minlength=k + 1), expected)
-    assert stat < _critical(df), stat
+    stat, df = chi_square(torch.bincount(accepted, minlength=k + 1), expected)
+    assert stat < critical(df), stat

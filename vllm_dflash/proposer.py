@@ -166,8 +166,8 @@ def validate_speculative_config(spec: Any, target: Any) -> DFlashConfig:
         )
     if spec.draft_model_config.quantization is not None:
         raise DFlashConfigError(
-            f"quantization={spec.draft_model_config.quantization!r} for the drafter: vllm-dflash runs the drafter "
-            "unquantized, in the target's dtype; fix: remove quantization from "
+            f"quantization={spec.draft_model_config.quantization!r} for the drafter: vllm-dflash "
+            "runs the drafter unquantized, in the target's dtype; fix: remove quantization from "
             "--speculative-config (the target's own --quantization is unaffected) or use an "
             "unquantized drafter checkpoint."
         )
@@ -344,6 +344,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         slot_mappings: Any = None,
     ) -> torch.Tensor:
         cad = common_attn_metadata
+        self._last_draft_probs = None  # set again only when this step samples drafts
         if target_positions.dim() == 2:
             # M-RoPE targets (Qwen3-VL, Qwen3.5) give [sections, T]; a text token has the same
             # position in every section. The drafter's RoPE is 1-D: the first section, as for
@@ -389,26 +390,25 @@ class DFlashProposer(SpecDecodeBaseProposer):
     def draft_tokens(self, anchor_ids: torch.Tensor, batch: DraftBatch, num_draft: int,
                      sampling: DraftSampling | None = None) -> torch.Tensor:
         """[B] anchors -> [B, num_draft] draft tokens. The drafter's pass is replayed from a
-        CUDA graph when one fits the batch."""
+        CUDA graph when one fits the batch. Sampled drafts leave their distributions for
+        take_last_draft_probs, where vLLM's runner reads them for verification."""
         hidden = None if self.draft_graphs is None else self.draft_graphs.run(anchor_ids, batch)
         if hidden is None:
             hidden = self.draft_hidden(anchor_ids, batch)
-        return self.choose_tokens(hidden[:, :num_draft], sampling)
+        tokens, self._last_draft_probs = self.choose_tokens(hidden[:, :num_draft], sampling)
+        return tokens
 
-    def choose_tokens(self, hidden: torch.Tensor,
-                      sampling: DraftSampling | None = None) -> torch.Tensor:
-        """[B, k, hidden] -> [B, k] tokens through the target's lm_head: greedy, or drawn for
-        the requests `sampling` marks (their distributions then go to take_last_draft_probs,
-        where vLLM's runner reads them for verification)."""
+    def choose_tokens(self, hidden: torch.Tensor, sampling: DraftSampling | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, k, hidden] -> [B, k] tokens through the target's lm_head, greedy or drawn for
+        the requests `sampling` marks, and then their distributions [B, k, V]."""
         num_reqs, k = hidden.shape[:2]
         logits = self.logits(hidden.flatten(0, 1)).view(num_reqs, k, -1)
-        self._last_draft_probs = None
         if sampling is None:
             # Greedy drafts: output_multiplier and softcapping are monotonic, so the argmax of
             # the target's logits is the drafter's argmax.
-            return argmax_rows(logits)
-        tokens, self._last_draft_probs = sample_drafts(logits, sampling)
-        return tokens
+            return argmax_rows(logits), None
+        return sample_drafts(logits, sampling)
 
     def draft_hidden(self, anchor_ids: torch.Tensor, batch: DraftBatch) -> torch.Tensor:
         """[B] anchors -> [B, K, hidden] drafter outputs at the block's K mask positions."""
