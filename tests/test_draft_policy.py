@@ -8,6 +8,7 @@ import pytest
 
 from vllm_dflash.draft_policy import (
     EXPLORE_INTERVAL,
+    PROBE_INTERVAL,
     AcceptanceModel,
     DraftPolicy,
     StepCostModel,
@@ -46,6 +47,66 @@ def run_steps(policy: DraftPolicy, acceptance: dict[str, float], steps: int,
     return history
 
 
+def run_timed_steps(policy: DraftPolicy, acceptance: float, steps: int, step_s,
+                    monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Like run_steps, through DraftPolicy.observe on a fake clock: a step that verifies d
+    drafts for n requests takes step_s(n, d, drafter_ran) seconds. Drafts planned for a step
+    exist only if the drafter ran at the end of the step before."""
+    from vllm_dflash import draft_policy
+
+    clock = [0.0]
+    monkeypatch.setattr(draft_policy.time, "perf_counter", lambda: clock[0])
+    rng = random.Random(0)
+    req_ids = ["a", "b"]
+    ready, history = 0, []
+    for _ in range(steps):
+        plan = policy.plan(req_ids)
+        drafts = []
+        for req_id, length in zip(req_ids, plan.lengths):
+            verified = min(length, ready)
+            accepted = 0
+            while accepted < verified and rng.random() < acceptance:
+                accepted += 1
+            if verified:
+                drafts.append((req_id, verified, accepted))
+        draft_tokens = sum(d[1] for d in drafts)
+        clock[0] += step_s(len(req_ids), draft_tokens, plan.num_draft > 0)
+        policy.observe(drafts, len(req_ids) + draft_tokens, len(req_ids), plan.num_draft > 0)
+        ready = plan.num_draft
+        history.append(plan.lengths)
+    return history
+
+
+def test_a_draft_token_cost_the_profile_misses_shortens_drafts(monkeypatch):
+    # The profile says drafts are nearly free. For 1500 steps they are (greedy traffic): the
+    # policy drafts the full block for both requests, so d never varies. Then verifying costs
+    # 0.4 ms per draft token (sampled traffic) against a 2 ms step; at acceptance 0.6 the best
+    # is 1 draft a request (1050 tokens/s against 990 without drafts, 930 with 3, 620 with 7),
+    # which only the probes' plain steps show clearly.
+    policy = DraftPolicy(7, profile(0.002, 0.00001, drafter_s=0.0002))
+    steps = iter(range(10**6))
+
+    def step_s(n: int, d: int, drafter_ran: bool) -> float:
+        per_draft_token = 0.00002 if next(steps) < 1500 else 0.0004
+        return 0.002 + 0.00001 * (n + d) + 0.0002 * drafter_ran + per_draft_token * d
+
+    history = run_timed_steps(policy, 0.6, 3000, step_s, monkeypatch)
+    assert all(lengths in ([7, 7], [0, 0]) for lengths in history[1000:1500])
+    assert policy.cost.per_draft_token == pytest.approx(0.0004, rel=0.1)
+    assert sum(lengths == [1, 1] for lengths in history[2500:]) >= 0.8 * 500
+
+
+def test_a_small_draft_token_cost_keeps_drafting(monkeypatch):
+    policy = DraftPolicy(7, profile(0.002, 0.00001, drafter_s=0.0002))
+
+    def step_s(n: int, d: int, drafter_ran: bool) -> float:
+        return 0.002 + 0.00001 * (n + d) + 0.0002 * drafter_ran + 0.00005 * d
+
+    history = run_timed_steps(policy, 0.9, 2000, step_s, monkeypatch)
+    assert policy.drafting
+    assert sum(lengths == [7, 7] for lengths in history[1000:]) >= 0.95 * 1000
+
+
 def test_draft_levels():
     assert draft_levels(1) == [0, 1]
     assert draft_levels(5) == [0, 1, 3, 5]
@@ -71,10 +132,10 @@ def test_cost_model_fits_host_overhead_per_step_and_request():
     for n in rng.integers(1, 64, size=500):
         tokens = int(n) * int(rng.integers(1, 9))
         profiled = float(model.profiled(np.array(tokens), int(n), np.array(True)))
-        model.observe(tokens, int(n), True, profiled + 0.003 + 0.0005 * n)
+        model.observe(tokens, tokens - int(n), int(n), True, profiled + 0.003 + 0.0005 * n)
     for n in (2, 16, 60):
         profiled = float(model.profiled(np.array(4 * n), n, np.array(True)))
-        predicted = float(model.predict(np.array(4 * n), n, np.array(True)))
+        predicted = float(model.predict(np.array(4 * n), 3 * n, n, np.array(True)))
         assert predicted == pytest.approx(profiled + 0.003 + 0.0005 * n, rel=0.1)
 
 
@@ -82,9 +143,32 @@ def test_cost_model_puts_a_constant_batch_residual_in_overhead():
     model = StepCostModel(profile(0.002, 0.0001))
     for _ in range(300):
         profiled = float(model.profiled(np.array(32), 4, np.array(True)))
-        model.observe(32, 4, True, profiled + 0.006)
+        model.observe(32, 28, 4, True, profiled + 0.006)
     assert model.per_request == pytest.approx(0.0, abs=1e-6)
-    assert model.predict(np.array(32), 4, np.array(True)) == pytest.approx(profiled + 0.006)
+    assert model.per_draft_token == pytest.approx(0.0, abs=1e-6)
+    assert model.predict(np.array(32), 28, 4, np.array(True)) == pytest.approx(profiled + 0.006)
+
+
+def test_cost_model_separates_the_cost_of_draft_tokens():
+    # Drafted steps verify 7 drafts per request, one step in PROBE_INTERVAL none: the probes
+    # alone tell the cost per draft token from the cost per request.
+    model = StepCostModel(profile(0.002, 0.0001))
+    rng = np.random.default_rng(1)
+    for step in range(1000):
+        n = int(rng.integers(1, 17))
+        d = 0 if step % PROBE_INTERVAL == 0 else 7 * n
+        profiled = float(model.profiled(np.array(n + d), n, np.array(d > 0)))
+        model.observe(n + d, d, n, d > 0, profiled + 0.001 + 0.0002 * n + 0.0003 * d)
+    assert model.per_draft_token == pytest.approx(0.0003, rel=0.1)
+
+    def unprofiled(n: int, d: int) -> float:
+        tokens, drafted = np.array(n + d), np.array(d > 0)
+        return float(model.predict(tokens, d, n, drafted) - model.profiled(tokens, n, drafted))
+
+    for n in (1, 4, 16):  # what the policy weighs: a step with 7 drafts a request and without
+        plain, drafted = 0.001 + 0.0002 * n, 0.001 + 0.0002 * n + 0.0021 * n
+        assert unprofiled(n, 7 * n) - unprofiled(n, 0) == pytest.approx(drafted - plain, rel=0.1)
+        assert unprofiled(n, 0) == pytest.approx(plain, rel=0.25)
 
 
 def test_no_drafting_when_verifying_costs_more_than_it_saves():

@@ -8,11 +8,15 @@ query tokens through the target and emits n + sum(E_r(k_r)) tokens in expectatio
 and a_{r,i} is the probability that request r's draft position i is accepted given that
 positions 1..i-1 were (DFlash's per-position acceptance, measured online). The step costs
 
-    time(T, n) = target(T) + [drafter runs] * drafter(n) + overhead + per_request * n
+    time(T, n) = target(T) + [drafter runs] * drafter(n)
+                 + overhead + per_request * n + per_draft_token * sum(k_r)
 
-with target(T) and drafter(n) profiled on the running engine at start-up, and the host's work
-that those forward passes do not include (scheduling, sampling, bookkeeping: a fixed part and
-a part per request) fitted online to the measured step times. The policy maximises tokens per
+with target(T) and drafter(n) profiled on the running engine at start-up, and what those
+forward passes do not include fitted online to the measured step times: the host's work
+(scheduling, bookkeeping) per step and per request, and the work per verified draft token
+(logits, softmax and rejection sampling when requests sample, drawing sampled drafts), which
+depends on the traffic. Every PROBE_INTERVAL steps one step runs without drafts, so that the
+fit can tell the cost of drafting from the rest of a step. The policy maximises tokens per
 second of the batch, choosing each k_r from a small fixed set (0, 1, 3, 7, ..., K) so that the shapes the target and
 drafter see stay few. k_r = 0 is plain decoding; when every k_r is 0 the drafter is skipped.
 
@@ -46,6 +50,12 @@ SWITCH_MARGIN = 0.03
 # drafts short) sees when drafting deeper would pay again. Costs one drafter run and K extra
 # tokens per interval.
 EXPLORE_INTERVAL = 16
+# While drafting, every PROBE_INTERVAL steps one step verifies no drafts (and the drafter
+# skips its pass): without it, steps that always verify K drafts per request cannot tell the
+# cost of the drafts from the rest of the step. Costs 2 of PROBE_INTERVAL steps their drafts.
+PROBE_INTERVAL = 128
+# How much more a step without drafts weighs in the cost fit (StepCostModel.observe).
+PLAIN_STEP_WEIGHT = 16.0
 # A choice holds for this many steps, for the same requests, or for any batch when it gave
 # every request one length: the statistics behind it move by ~1% in that time, while choosing
 # costs ~0.1-0.3 ms of host time, a few percent of a small step. Requests joining and leaving
@@ -81,18 +91,21 @@ def _interp(x: np.ndarray, xs: list[int], ys: list[float]) -> np.ndarray:
 
 
 class StepCostModel:
-    """time = profiled(T, n, drafted) + overhead + per_request * n.
+    """time = profiled(T, n, drafted) + overhead + per_request * n + per_draft_token * d,
+    for a step of T query tokens, n requests and d verified draft tokens.
 
     The profile is trusted for how a step's cost grows with its query tokens: that is what
     the start-up runs measure well. What they leave out is fitted by exponentially weighted
-    least squares of (measured - profiled) on n, with a ridge on per_request so that a run
-    whose batch size hardly varies puts its residual in overhead.
+    least squares of (measured - profiled) on n and d, with a ridge on both slopes so that a
+    run whose batch hardly varies puts its residual in overhead.
     """
 
     def __init__(self, profile: StepProfile) -> None:
         self.profile = profile
-        self.stats = [0.0] * 5  # weighted sums of 1, n, r, n*n, n*r (r: the residual)
-        self.overhead, self.per_request = 0.0, 0.0
+        self.weight = 0.0
+        self.sums = np.zeros(3)  # weighted sums of n, d, r (r: the residual)
+        self.products = np.zeros((3, 3))  # ... of their pairwise products
+        self.overhead, self.per_request, self.per_draft_token = 0.0, 0.0, 0.0
 
     def profiled(self, tokens: np.ndarray, batch_size: int | np.ndarray,
                  drafted: np.ndarray) -> np.ndarray:
@@ -101,31 +114,47 @@ class StepCostModel:
         drafter = _interp(np.asarray(batch_size), p.batch_sizes, p.drafter_s)
         return target + np.where(drafted, drafter, 0.0)
 
-    def predict(self, tokens: np.ndarray, batch_size: int, drafted: np.ndarray) -> np.ndarray:
-        host = self.overhead + self.per_request * batch_size
+    def predict(self, tokens: np.ndarray, draft_tokens: np.ndarray, batch_size: int,
+                drafted: np.ndarray) -> np.ndarray:
+        host = self.overhead + self.per_request * batch_size + self.per_draft_token * draft_tokens
         return host + self.profiled(tokens, batch_size, drafted)
 
-    def observe(self, tokens: np.ndarray, batch_sizes: np.ndarray, drafted: np.ndarray,
-                seconds: np.ndarray) -> None:
+    def observe(self, tokens: np.ndarray, draft_tokens: np.ndarray, batch_sizes: np.ndarray,
+                drafted: np.ndarray, seconds: np.ndarray) -> None:
         """Steps measured since the last update, oldest first: one value per step in each
         array (scalars for one step)."""
-        tokens, batch_sizes, drafted, seconds = map(
-            np.atleast_1d, (tokens, batch_sizes, drafted, seconds))
-        n = batch_sizes.astype(float)
+        tokens, draft_tokens, batch_sizes, drafted, seconds = map(
+            np.atleast_1d, (tokens, draft_tokens, batch_sizes, drafted, seconds))
+        n, d = batch_sizes.astype(float), draft_tokens.astype(float)
         x = self.profiled(tokens, n, drafted)
-        host = self.overhead + self.per_request * n
+        host = self.overhead + self.per_request * n + self.per_draft_token * d
         # A pause (GC, another process) must not swing the fit: clip to 4x the prediction.
         r = np.minimum(seconds, 4.0 * (x + host)) - x
-        # The newest step weighs 1, each older one COST_DECAY times less.
-        weights = COST_DECAY ** np.arange(len(n) - 1, -1, -1)
-        new = (weights.sum(), weights @ n, weights @ r, weights @ (n * n), weights @ (n * r))
+        # The newest step weighs 1, each older one COST_DECAY times less; a step without
+        # drafts (rare while drafting: the probes) weighs PLAIN_STEP_WEIGHT times more, so
+        # that the few of them pin the cost of a step without drafts.
+        weights = COST_DECAY ** np.arange(len(n) - 1, -1, -1) * np.where(d > 0, 1.0,
+                                                                          PLAIN_STEP_WEIGHT)
+        values = np.stack([n, d, r])
         decay = COST_DECAY ** len(n)
-        self.stats = [decay * a + float(b) for a, b in zip(self.stats, new)]
-        w, sn, sr, snn, snr = self.stats
-        mean_n, mean_r = sn / w, sr / w
-        var_n, cov = snn / w - mean_n**2, snr / w - mean_n * mean_r
-        self.per_request = max(cov / (var_n + (0.1 * mean_n) ** 2 + 1e-12), 0.0)
-        self.overhead = max(mean_r - self.per_request * mean_n, 0.0)
+        self.weight = decay * self.weight + weights.sum()
+        self.sums = decay * self.sums + values @ weights
+        self.products = decay * self.products + (values * weights) @ values.T
+        self._fit()
+
+    def _fit(self) -> None:
+        mean = self.sums / self.weight
+        cov = self.products / self.weight - np.outer(mean, mean)
+        # Light on the draft-token slope: the probes, 1 step in PROBE_INTERVAL, carry it.
+        ridge = np.diag((np.array([0.1, 0.01]) * mean[:2]) ** 2 + 1e-12)
+        slopes = np.linalg.solve(cov[:2, :2] + ridge, cov[:2, 2])
+        for i in (0, 1):  # a negative slope is noise: drop it, refit the other alone
+            if slopes[i] < 0:
+                j = 1 - i
+                slopes[i] = 0.0
+                slopes[j] = max(cov[j, 2] / (cov[j, j] + ridge[j, j]), 0.0)
+        self.per_request, self.per_draft_token = float(slopes[0]), float(slopes[1])
+        self.overhead = max(float(mean[2] - slopes @ mean[:2]), 0.0)
 
 
 class AcceptanceModel:
@@ -219,7 +248,7 @@ class DraftPolicy:
         self.drafting = True
         self.steps = 0
         self.chosen: _Choice | None = None
-        self.pending: list[tuple[list[tuple[str, int, int]], int, int, bool, float]] = []
+        self.pending: list[tuple[list[tuple[str, int, int]], int, int, int, bool, float]] = []
         self.last_step_end: float | None = None  # None: idle, the next step starts at plan()
         self.step_start = 0.0
         self.report = _Report(self.levels)
@@ -245,7 +274,9 @@ class DraftPolicy:
             lengths = self.choose(req_ids)
             self.chosen = _Choice(batch, lengths.copy(), self.steps)
         num_draft = int(lengths.max())
-        if num_draft < max_draft:
+        if self.drafting and self.steps % PROBE_INTERVAL == 0:
+            lengths[:], num_draft = 0, 0  # a plain step: the fit's measure without drafts
+        elif num_draft < max_draft:
             phase = self.steps % EXPLORE_INTERVAL
             if phase == EXPLORE_INTERVAL - 1:
                 num_draft = max_draft  # full drafts ready for the exploring step
@@ -261,7 +292,7 @@ class DraftPolicy:
         expected = self.acceptance.expected_accepted(req_ids)[:, self.levels]  # [n, L]
         # One length for the whole batch (what a fixed K is), at every level; level 0 is off.
         rates = (n + expected.sum(axis=0)) / self.cost.predict(
-            n + n * self.levels, n, self.levels > 0)
+            n + n * self.levels, n * self.levels, n, self.levels > 0)
         best = 1 + int(np.argmax(rates[1:]))
         lengths, on = np.full(n, self.levels[best]), rates[best]
         # Lengths per request only when predicted clearly faster: uniform batches keep the
@@ -289,7 +320,8 @@ class DraftPolicy:
         order = np.lexsort((cols.ravel(), -per_token.ravel()))
         extra_tokens = np.cumsum(np.broadcast_to(width, gain.shape).ravel()[order])
         extra_gain = np.cumsum(gain.ravel()[order])
-        tokens_per_s = (n + extra_gain) / self.cost.predict(n + extra_tokens, n, True)
+        tokens_per_s = (n + extra_gain) / self.cost.predict(n + extra_tokens, extra_tokens, n,
+                                                            True)
         best = int(np.argmax(tokens_per_s))
         lengths = self.levels[np.bincount(rows.ravel()[order[: best + 1]], minlength=n)]
         return lengths, float(tokens_per_s[best])
@@ -302,7 +334,9 @@ class DraftPolicy:
         # Steps follow each other back to back while requests run: the time since the last
         # step ended covers scheduling, the forward pass, sampling, drafting and output.
         start = self.step_start if self.last_step_end is None else self.last_step_end
-        self.pending.append((drafts, num_tokens, batch_size, drafted, now - start))
+        draft_tokens = sum(verified for _, verified, _ in drafts)
+        self.pending.append((drafts, num_tokens, draft_tokens, batch_size, drafted,
+                             now - start))
         self.last_step_end = now
 
     def _absorb(self) -> None:
@@ -310,10 +344,10 @@ class DraftPolicy:
         a choice reads them, and one vectorised update costs what a single step's did."""
         if not self.pending:
             return
-        drafts, tokens, batch_sizes, drafted, seconds = zip(*self.pending)
+        drafts, tokens, draft_tokens, batch_sizes, drafted, seconds = zip(*self.pending)
         self.pending = []
-        self.cost.observe(np.array(tokens), np.array(batch_sizes), np.array(drafted),
-                          np.array(seconds))
+        self.cost.observe(np.array(tokens), np.array(draft_tokens), np.array(batch_sizes),
+                          np.array(drafted), np.array(seconds))
         self.acceptance.observe([d for step in drafts for d in step])
 
     def idle(self) -> None:
@@ -358,6 +392,7 @@ class _Report:
                 f"{self.drafting_steps / self.steps:.0%} of {self.steps} steps; "
                 f"acceptance per position {rates}; step cost "
                 f"profile + {policy.cost.overhead * 1e3:.1f} ms + "
-                f"{policy.cost.per_request * 1e3:.2f} ms per request")
+                f"{policy.cost.per_request * 1e3:.2f} ms per request + "
+                f"{policy.cost.per_draft_token * 1e3:.3f} ms per draft token")
         self.reset()
         return line
