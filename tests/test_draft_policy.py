@@ -107,6 +107,15 @@ def test_a_small_draft_token_cost_keeps_drafting(monkeypatch):
     assert sum(lengths == [7, 7] for lengths in history[1000:]) >= 0.95 * 1000
 
 
+def test_steps_with_prompt_tokens_do_not_feed_the_cost_fit():
+    policy = DraftPolicy(7, profile(0.002, 0.0001))
+    policy.observe([], num_tokens=64, batch_size=1, drafted=True)  # a prompt of 64 tokens
+    policy.observe([("a", 7, 2)], num_tokens=8, batch_size=1, drafted=True)  # a decode step
+    policy.choose(["a"])
+    assert policy.cost.weight == 1.0
+    assert policy.acceptance.reached[0] == 1.0
+
+
 def test_draft_levels():
     assert draft_levels(1) == [0, 1]
     assert draft_levels(5) == [0, 1, 3, 5]

@@ -248,7 +248,8 @@ class DraftPolicy:
         self.drafting = True
         self.steps = 0
         self.chosen: _Choice | None = None
-        self.pending: list[tuple[list[tuple[str, int, int]], int, int, int, bool, float]] = []
+        self.pending_drafts: list[tuple[str, int, int]] = []
+        self.pending_steps: list[tuple[int, int, int, bool, float]] = []
         self.last_step_end: float | None = None  # None: idle, the next step starts at plan()
         self.step_start = 0.0
         self.report = _Report(self.levels)
@@ -334,21 +335,24 @@ class DraftPolicy:
         # Steps follow each other back to back while requests run: the time since the last
         # step ended covers scheduling, the forward pass, sampling, drafting and output.
         start = self.step_start if self.last_step_end is None else self.last_step_end
-        draft_tokens = sum(verified for _, verified, _ in drafts)
-        self.pending.append((drafts, num_tokens, draft_tokens, batch_size, drafted,
-                             now - start))
         self.last_step_end = now
+        self.pending_drafts += drafts
+        draft_tokens = sum(verified for _, verified, _ in drafts)
+        # Only decode steps feed the cost fit: a prompt's tokens cost more than the profile
+        # says (KV injection of the whole prompt, the new request's set-up), and such a step
+        # verifies no drafts, so it would pass for a cheap step without drafts.
+        if num_tokens == batch_size + draft_tokens:
+            self.pending_steps.append((num_tokens, draft_tokens, batch_size, drafted,
+                                       now - start))
 
     def _absorb(self) -> None:
         """Feeds the steps observed since the last choice to the models in one update: only
         a choice reads them, and one vectorised update costs what a single step's did."""
-        if not self.pending:
-            return
-        drafts, tokens, draft_tokens, batch_sizes, drafted, seconds = zip(*self.pending)
-        self.pending = []
-        self.cost.observe(np.array(tokens), np.array(draft_tokens), np.array(batch_sizes),
-                          np.array(drafted), np.array(seconds))
-        self.acceptance.observe([d for step in drafts for d in step])
+        if self.pending_steps:
+            self.cost.observe(*map(np.array, zip(*self.pending_steps)))
+            self.pending_steps = []
+        self.acceptance.observe(self.pending_drafts)
+        self.pending_drafts = []
 
     def idle(self) -> None:
         """No requests left: the gap until the next step is not a step's cost."""
