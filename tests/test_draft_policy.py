@@ -96,6 +96,22 @@ def test_a_draft_token_cost_the_profile_misses_shortens_drafts(monkeypatch):
     assert sum(lengths == [1, 1] for lengths in history[2500:]) >= 0.8 * 500
 
 
+def test_a_costly_drafter_run_at_poor_acceptance_stops_drafting(monkeypatch):
+    # Measured on the CPU test pair at T = 1 with sampled drafts: a step costs 3.4 ms without
+    # drafts, 4.9 ms when the drafter runs (0.6 ms of it profiled), 0.1 ms more per verified
+    # draft token; a draft position is accepted 3 times in 10. No length pays.
+    policy = DraftPolicy(7, profile(0.00185, 0.0, drafter_s=0.00059))
+
+    def step_s(n: int, d: int, drafter_ran: bool) -> float:
+        return 0.0034 + 0.0015 * drafter_ran + 0.0001 * d
+
+    history = run_timed_steps(policy, 0.3, 2000, step_s, monkeypatch)
+    assert policy.cost.drafter_extra == pytest.approx(0.0015 - 0.00059, rel=0.2)
+    assert not policy.drafting
+    late = history[1000:]
+    assert sum(map(sum, late)) <= 7 * (len(late) // EXPLORE_INTERVAL + 1)
+
+
 def test_a_small_draft_token_cost_keeps_drafting(monkeypatch):
     policy = DraftPolicy(7, profile(0.002, 0.00001, drafter_s=0.0002))
 

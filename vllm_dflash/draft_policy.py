@@ -8,14 +8,14 @@ query tokens through the target and emits n + sum(E_r(k_r)) tokens in expectatio
 and a_{r,i} is the probability that request r's draft position i is accepted given that
 positions 1..i-1 were (DFlash's per-position acceptance, measured online). The step costs
 
-    time(T, n) = target(T) + [drafter runs] * drafter(n)
+    time(T, n) = target(T) + [drafter runs] * (drafter(n) + drafter_extra)
                  + overhead + per_request * n + per_draft_token * sum(k_r)
 
 with target(T) and drafter(n) profiled on the running engine at start-up, and what those
 forward passes do not include fitted online to the measured step times: the host's work
-(scheduling, bookkeeping) per step and per request, and the work per verified draft token
-(logits, softmax and rejection sampling when requests sample, drawing sampled drafts), which
-depends on the traffic. Every PROBE_INTERVAL steps one step runs without drafts, so that the
+(scheduling, bookkeeping) per step and per request, the work per verified draft token
+(logits, softmax and rejection sampling when requests sample) and per drafter run (drawing
+sampled drafts), which depend on the traffic. Every PROBE_INTERVAL steps one step runs without drafts, so that the
 fit can tell the cost of drafting from the rest of a step. The policy maximises tokens per
 second of the batch, choosing each k_r from a small fixed set (0, 1, 3, 7, ..., K) so that the shapes the target and
 drafter see stay few. k_r = 0 is plain decoding; when every k_r is 0 the drafter is skipped.
@@ -91,21 +91,43 @@ def _interp(x: np.ndarray, xs: list[int], ys: list[float]) -> np.ndarray:
 
 
 class StepCostModel:
-    """time = profiled(T, n, drafted) + overhead + per_request * n + per_draft_token * d,
-    for a step of T query tokens, n requests and d verified draft tokens.
+    """time = profiled(T, n, g) + overhead + per_request * n + per_draft_token * d
+              + drafter_extra * g,
+    for a step of T query tokens, n requests and d verified draft tokens, g = 1 when the
+    drafter ran at its end.
 
     The profile is trusted for how a step's cost grows with its query tokens: that is what
     the start-up runs measure well. What they leave out is fitted by exponentially weighted
-    least squares of (measured - profiled) on n and d, with a ridge on both slopes so that a
-    run whose batch hardly varies puts its residual in overhead.
+    least squares of (measured - profiled) on n, d and g, slopes kept non-negative, with a
+    ridge so that a run whose batch hardly varies puts its residual in overhead. The
+    per-draft-token and drafter terms are what sampling adds (softmax and rejection sampling
+    of the verified rows, sampled drafts and their distributions): large when requests
+    sample, nearly nothing for greedy ones, so they are measured, not profiled.
     """
+
+    # Ridge per slope, relative to the feature's mean: strong on n (batch sizes hardly vary
+    # in a steady run), light on d and g, which the probes carry.
+    RIDGE = np.array([0.1, 0.01, 0.01])
 
     def __init__(self, profile: StepProfile) -> None:
         self.profile = profile
         self.weight = 0.0
-        self.sums = np.zeros(3)  # weighted sums of n, d, r (r: the residual)
-        self.products = np.zeros((3, 3))  # ... of their pairwise products
-        self.overhead, self.per_request, self.per_draft_token = 0.0, 0.0, 0.0
+        self.sums = np.zeros(4)  # weighted sums of n, d, g, r (r: the residual)
+        self.products = np.zeros((4, 4))  # ... of their pairwise products
+        self.overhead = 0.0
+        self.slopes = np.zeros(3)  # per request, per draft token, drafter_extra
+
+    @property
+    def per_request(self) -> float:
+        return float(self.slopes[0])
+
+    @property
+    def per_draft_token(self) -> float:
+        return float(self.slopes[1])
+
+    @property
+    def drafter_extra(self) -> float:
+        return float(self.slopes[2])
 
     def profiled(self, tokens: np.ndarray, batch_size: int | np.ndarray,
                  drafted: np.ndarray) -> np.ndarray:
@@ -114,10 +136,16 @@ class StepCostModel:
         drafter = _interp(np.asarray(batch_size), p.batch_sizes, p.drafter_s)
         return target + np.where(drafted, drafter, 0.0)
 
+    def unprofiled(self, draft_tokens: np.ndarray, batch_size: int | np.ndarray,
+                   drafted: np.ndarray) -> np.ndarray:
+        return (self.overhead + self.per_request * np.asarray(batch_size)
+                + self.per_draft_token * np.asarray(draft_tokens)
+                + self.drafter_extra * np.asarray(drafted, dtype=float))
+
     def predict(self, tokens: np.ndarray, draft_tokens: np.ndarray, batch_size: int,
                 drafted: np.ndarray) -> np.ndarray:
-        host = self.overhead + self.per_request * batch_size + self.per_draft_token * draft_tokens
-        return host + self.profiled(tokens, batch_size, drafted)
+        return (self.profiled(tokens, batch_size, drafted)
+                + self.unprofiled(draft_tokens, batch_size, drafted))
 
     def observe(self, tokens: np.ndarray, draft_tokens: np.ndarray, batch_sizes: np.ndarray,
                 drafted: np.ndarray, seconds: np.ndarray) -> None:
@@ -125,36 +153,39 @@ class StepCostModel:
         array (scalars for one step)."""
         tokens, draft_tokens, batch_sizes, drafted, seconds = map(
             np.atleast_1d, (tokens, draft_tokens, batch_sizes, drafted, seconds))
-        n, d = batch_sizes.astype(float), draft_tokens.astype(float)
+        n, d, g = batch_sizes.astype(float), draft_tokens.astype(float), drafted.astype(float)
         x = self.profiled(tokens, n, drafted)
-        host = self.overhead + self.per_request * n + self.per_draft_token * d
         # A pause (GC, another process) must not swing the fit: clip to 4x the prediction.
-        r = np.minimum(seconds, 4.0 * (x + host)) - x
+        r = np.minimum(seconds, 4.0 * (x + self.unprofiled(d, n, g))) - x
         # The newest step weighs 1, each older one COST_DECAY times less; a step without
-        # drafts (rare while drafting: the probes) weighs PLAIN_STEP_WEIGHT times more, so
-        # that the few of them pin the cost of a step without drafts.
-        weights = COST_DECAY ** np.arange(len(n) - 1, -1, -1) * np.where(d > 0, 1.0,
-                                                                          PLAIN_STEP_WEIGHT)
-        values = np.stack([n, d, r])
+        # drafts or without the drafter (rare while drafting: the probes) weighs
+        # PLAIN_STEP_WEIGHT times more, so that the few of them pin what drafting costs.
+        weights = COST_DECAY ** np.arange(len(n) - 1, -1, -1) * np.where(
+            (d > 0) & (g > 0), 1.0, PLAIN_STEP_WEIGHT)
+        values = np.stack([n, d, g, r])
         decay = COST_DECAY ** len(n)
         self.weight = decay * self.weight + weights.sum()
         self.sums = decay * self.sums + values @ weights
         self.products = decay * self.products + (values * weights) @ values.T
-        self._fit()
-
-    def _fit(self) -> None:
         mean = self.sums / self.weight
         cov = self.products / self.weight - np.outer(mean, mean)
-        # Light on the draft-token slope: the probes, 1 step in PROBE_INTERVAL, carry it.
-        ridge = np.diag((np.array([0.1, 0.01]) * mean[:2]) ** 2 + 1e-12)
-        slopes = np.linalg.solve(cov[:2, :2] + ridge, cov[:2, 2])
-        for i in (0, 1):  # a negative slope is noise: drop it, refit the other alone
-            if slopes[i] < 0:
-                j = 1 - i
-                slopes[i] = 0.0
-                slopes[j] = max(cov[j, 2] / (cov[j, j] + ridge[j, j]), 0.0)
-        self.per_request, self.per_draft_token = float(slopes[0]), float(slopes[1])
-        self.overhead = max(float(mean[2] - slopes @ mean[:2]), 0.0)
+        ridge = (self.RIDGE * mean[:3]) ** 2 + 1e-12
+        self.slopes = _nonnegative_slopes(cov[:3, :3] + np.diag(ridge), cov[:3, 3])
+        self.overhead = max(float(mean[3] - self.slopes @ mean[:3]), 0.0)
+
+
+def _nonnegative_slopes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Solves a @ x = b with x >= 0: a negative slope is noise, so the most negative one is
+    dropped and the others refitted until none is left negative."""
+    x = np.zeros(len(b))
+    active = list(range(len(b)))
+    while active:
+        solved = np.linalg.solve(a[np.ix_(active, active)], b[active])
+        if (solved >= 0).all():
+            x[active] = solved
+            break
+        active.pop(int(np.argmin(solved)))
+    return x
 
 
 class AcceptanceModel:
@@ -397,6 +428,7 @@ class _Report:
                 f"acceptance per position {rates}; step cost "
                 f"profile + {policy.cost.overhead * 1e3:.1f} ms + "
                 f"{policy.cost.per_request * 1e3:.2f} ms per request + "
-                f"{policy.cost.per_draft_token * 1e3:.3f} ms per draft token")
+                f"{policy.cost.per_draft_token * 1e3:.3f} ms per draft token + "
+                f"{policy.cost.drafter_extra * 1e3:.2f} ms when the drafter runs")
         self.reset()
         return line
