@@ -290,6 +290,22 @@ def test_vllm_adapter_all_greedy_is_cheap(monkeypatch: pytest.MonkeyPatch) -> No
     assert torch.equal(out, verify(**case, generators={}))
 
 
+def test_vllm_adapter_without_drafts_returns_the_bonus_tokens_and_draws_nothing() -> None:
+    case = _ragged_case(3)
+    batch, vocab = len(case["bonus_token_ids"]), case["target_probs"].shape[1]
+    rng_state = torch.get_rng_state()
+    out = vllm_rejection_sample(torch.empty(0, dtype=torch.long), [0] * batch, 1,
+                                torch.zeros(batch, dtype=torch.int32), None,
+                                torch.empty(0, vocab), case["bonus_token_ids"][:, None],
+                                _metadata(case, all_greedy=False))
+    assert torch.equal(torch.get_rng_state(), rng_state)
+    assert out.tolist() == [[int(b), -1] for b in case["bonus_token_ids"]]
+    assert torch.equal(out, verify(torch.empty(0, dtype=torch.long),
+                                   torch.zeros(batch, dtype=torch.int32), 1, None,
+                                   torch.empty(0, vocab), case["bonus_token_ids"],
+                                   case["is_greedy"], {}))
+
+
 @pytest.mark.parametrize("uniform", [False, True], ids=["ragged", "uniform"])
 def test_greedy_walk_torch_matches_reference(uniform: bool) -> None:
     for seed in range(8):

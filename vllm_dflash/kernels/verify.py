@@ -482,9 +482,15 @@ def vllm_rejection_sample(
     path: argmax only, no softmax, no random numbers. synthetic_mode (vLLM's benchmark mode)
     accepts the draft at position i with probability synthetic_conditional_rates[i].
     """
+    bonus = bonus_token_ids.view(-1)
+    if not any(num_draft_tokens):
+        # vLLM runs this on every step of a speculative engine, also when no request verifies
+        # drafts (the draft-length policy switched them off): each takes its bonus token.
+        out = bonus.new_full((len(num_draft_tokens), max_spec_len + 1), -1, dtype=torch.int32)
+        out[:, 0] = bonus
+        return out
     walk = _walk_for(target_logits.device)
     target_argmax = argmax_rows(target_logits)
-    bonus = bonus_token_ids.view(-1)
     all_greedy = sampling_metadata.all_greedy
     if all_greedy and not synthetic_mode:
         if walk is rejection_walk_reference:  # the torch fallback has a cheaper greedy walk
