@@ -263,6 +263,17 @@ def test_stable_near_the_break_even_point():
     assert switches <= 2 * (len(history) // EXPLORE_INTERVAL) + 4, on_off
 
 
+def test_while_drafting_is_off_the_choice_is_made_once_per_exploration(monkeypatch):
+    policy = DraftPolicy(7, profile(0.0, 0.001))
+    run_steps(policy, {"a": 0.0, "b": 0.0}, steps=100)
+    assert not policy.drafting
+    choices = []
+    monkeypatch.setattr(policy, "choose", lambda ids: choices.append(1) or np.zeros(len(ids),
+                                                                                   dtype=int))
+    run_steps(policy, {"a": 0.0, "b": 0.0}, steps=4 * EXPLORE_INTERVAL)
+    assert len(choices) == 4
+
+
 def test_drafter_skipped_when_no_request_drafts():
     policy = DraftPolicy(7, profile(0.0, 0.001))
     run_steps(policy, {"a": 0.0}, steps=40)

@@ -297,9 +297,12 @@ class DraftPolicy:
         self.steps += 1
         batch = tuple(req_ids)
         chosen = self.chosen
-        if chosen and self.steps - chosen.step < REPLAN_INTERVAL and chosen.batch == batch:
+        # While drafting is off, nothing but measurements can turn it on, and the exploring
+        # step brings the next ones every EXPLORE_INTERVAL steps: choose that often only.
+        hold = REPLAN_INTERVAL if self.drafting else EXPLORE_INTERVAL
+        if chosen and self.steps - chosen.step < hold and chosen.batch == batch:
             lengths = chosen.lengths.copy()
-        elif chosen and self.steps - chosen.step < REPLAN_INTERVAL and chosen.uniform:
+        elif chosen and self.steps - chosen.step < hold and chosen.uniform:
             # One length for the whole batch holds for requests that join it, too.
             lengths = np.full(len(req_ids), chosen.lengths[0])
         else:
