@@ -15,10 +15,10 @@ with target(T) and drafter(n) profiled on the running engine at start-up, and wh
 forward passes do not include fitted online to the measured step times: the host's work
 (scheduling, bookkeeping) per step and per request, the work per verified draft token
 (logits, softmax and rejection sampling when requests sample) and per drafter run (drawing
-sampled drafts), which depend on the traffic. Every PROBE_INTERVAL steps one step runs without drafts, so that the
-fit can tell the cost of drafting from the rest of a step. The policy maximises tokens per
-second of the batch, choosing each k_r from a small fixed set (0, 1, 3, 7, ..., K) so that the shapes the target and
-drafter see stay few. k_r = 0 is plain decoding; when every k_r is 0 the drafter is skipped.
+sampled drafts), which depend on the traffic. Every PROBE_INTERVAL steps one step runs without
+drafts, so that the fit can tell the cost of drafting from the rest of a step. The policy
+maximises tokens per second of the batch, choosing each k_r from a small fixed set
+(0, 1, 3, 7, ..., K) so that the shapes the target and drafter see stay few. k_r = 0 is plain decoding; when every k_r is 0 the drafter is skipped.
 
 Pure Python + numpy: no vLLM, no device work, no synchronisation. vLLM's scheduler calls it
 (plugin.py), where acceptance counts and step times are already on the host.

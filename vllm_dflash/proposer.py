@@ -344,7 +344,6 @@ class DFlashProposer(SpecDecodeBaseProposer):
         slot_mappings: Any = None,
     ) -> torch.Tensor:
         cad = common_attn_metadata
-        self._last_draft_probs = None  # set again only when this step samples drafts
         if target_positions.dim() == 2:
             # M-RoPE targets (Qwen3-VL, Qwen3.5) give [sections, T]; a text token has the same
             # position in every section. The drafter's RoPE is 1-D: the first section, as for
@@ -356,6 +355,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         )
         if num_speculative_tokens == 0:
             # The draft-length policy skips drafting this step; the context still grows.
+            self._last_draft_probs = None
             return next_token_ids.new_empty(next_token_ids.shape[0], 0)
         context_lens = cad.seq_lens
         last_valid = cad.query_start_loc[1:] - 1  # each request's last accepted token
