@@ -7,6 +7,7 @@ vLLM loads `register()` through the `vllm.general_plugins` entry point in every 
 import logging
 import os
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -544,6 +545,20 @@ def target_head(target: torch.nn.Module, lora: bool) -> tuple[Callable, Callable
     embed_tokens, lm_head = base(inner.embed_tokens), base(model.lm_head)
     logits_processor = base(model.logits_processor)
     return embed_tokens, lambda hidden: logits_processor(lm_head, hidden)
+
+
+def use_vllm_cpu_gemm(module: torch.nn.Module) -> None:
+    """Runs every nn.Linear of `module` through vLLM's CPU GEMM, as vLLM's own linear layers
+    do: oneDNN on a weight packed once at load (2.2-2.4x torch's F.linear at the test
+    drafter's shapes on an AMD EPYC, whose MKL path is slow), where vLLM's build has it. The
+    unpacked weights are freed as vLLM frees its own, so read any (kv_weight) before."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    for linear in module.modules():
+        if isinstance(linear, torch.nn.Linear):
+            dispatch_cpu_unquantized_gemm(linear, remove_weight=True)
+            # The weight left is empty where packed (and unused), the layer's own otherwise.
+            linear.forward = partial(linear.cpu_linear, weight=linear.weight, bias=linear.bias)
 
 
 def runner_name(runner: object) -> str:

@@ -280,6 +280,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
             target_model, lora=self.vllm_config.lora_config is not None)
         self.kv_weight = self.drafter.kv_weight()
         self.k_norm_weight = self.drafter.k_norm_weight()
+        if self.device.type == "cpu":
+            plugin.use_vllm_cpu_gemm(self.drafter)
         # A block starts at most at max_model_len; the drafts past it are never verified, but
         # their positions need RoPE rows (the usual max_model_len is the drafter's trained
         # max_position_embeddings).
