@@ -80,10 +80,28 @@ def useless_run(adaptive, baseline, prompts, tmp_path_factory):
     drafter = tmp_path_factory.mktemp("random") / "drafter"
     write_random_drafter(drafter, TRAINED.target, block_size=8, num_layers=1)
     llm = dflash_llm(Pair(TRAINED.target, drafter, 8), K, max_num_seqs=16)
+    llm.collective_rpc(_count_sampler_paths)
     result = outputs(llm, prompts)
-    metrics = spec_metrics(llm)
+    metrics = spec_metrics(llm) | llm.collective_rpc(_sampler_path_counts)[0]
     del llm
     return result, metrics
+
+
+def _count_sampler_paths(worker) -> None:
+    """Counts the runner's steps by sampler: vLLM's plain sampler or its rejection sampler."""
+    runner = worker.model_runner
+    sample = runner._sample
+    runner.sampler_path_counts = counts = {"plain_steps": 0, "speculative_steps": 0}
+
+    def counting_sample(logits, spec_decode_metadata):
+        counts["plain_steps" if spec_decode_metadata is None else "speculative_steps"] += 1
+        return sample(logits, spec_decode_metadata)
+
+    runner._sample = counting_sample
+
+
+def _sampler_path_counts(worker) -> dict[str, int]:
+    return worker.model_runner.sampler_path_counts
 
 
 def test_adaptive_greedy_equals_no_speculation_at_concurrency_1_and_16(baseline, trained_run):
@@ -130,6 +148,8 @@ def test_useless_drafter_is_switched_off_losslessly(baseline, useless_run):
     # explores: a small fraction of fixed K's draft tokens.
     output_tokens = 2 * 16 * MAX_NEW_TOKENS  # alone and batch; not counting structured: stricter
     assert m["draft_tokens"] < 0.2 * K * output_tokens, m
+    # Steps without drafts run as plain steps: vLLM's sampler, no spec-decode metadata.
+    assert m["plain_steps"] > 2 * m["speculative_steps"] > 0, m
 
 
 def test_preemption_and_chunked_prefill_with_adaptive_lengths(adaptive, baseline, prompts):

@@ -139,6 +139,26 @@ def _patch_runner() -> None:
 
     runner._input_fits_in_drafter = input_fits_in_drafter
 
+    # vLLM 0.32 takes its speculative path on every step of a speculative engine: spec-decode
+    # metadata and the rejection sampler even when no request has drafts, which is every step
+    # while the draft-length policy has drafting off. Such a step is a plain one: vLLM's
+    # non-speculative inputs and sampler give the same tokens, and the proposer still gets
+    # every token's features (its KV injection). Hybrid targets keep the speculative path: their
+    # recurrent state reads zero-draft decode rows at an offset only that path applies.
+    prepare_inputs = runner._prepare_inputs
+
+    def prepare_plain_step_inputs(self, scheduler_output, num_scheduled_tokens):
+        if (scheduler_output.scheduled_spec_decode_tokens or self.model_config.is_hybrid
+                or not isinstance(getattr(self, "drafter", None), DFlashProposer)):
+            return prepare_inputs(self, scheduler_output, num_scheduled_tokens)
+        speculative_config, self.speculative_config = self.speculative_config, None
+        try:
+            return prepare_inputs(self, scheduler_output, num_scheduled_tokens)
+        finally:
+            self.speculative_config = speculative_config
+
+    runner._prepare_inputs = prepare_plain_step_inputs
+
 
 def _patch_sampling_params() -> None:
     # vLLM refuses min_p and logit_bias for every speculative method; vllm-dflash applies both
