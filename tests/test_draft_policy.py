@@ -8,6 +8,7 @@ import pytest
 
 from vllm_dflash.draft_policy import (
     EXPLORE_INTERVAL,
+    MAX_HOLD,
     PROBE_INTERVAL,
     AcceptanceModel,
     DraftPolicy,
@@ -263,15 +264,37 @@ def test_stable_near_the_break_even_point():
     assert switches <= 2 * (len(history) // EXPLORE_INTERVAL) + 4, on_off
 
 
-def test_while_drafting_is_off_the_choice_is_made_once_per_exploration(monkeypatch):
+def choice_steps(policy: DraftPolicy, acceptance: dict[str, float], steps: int,
+                 monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The steps at which the policy chooses anew, over `steps` steps."""
+    made, choose = [], policy.choose
+
+    def counting_choose(req_ids: list[str]) -> np.ndarray:
+        made.append(policy.steps)
+        return choose(req_ids)
+
+    monkeypatch.setattr(policy, "choose", counting_choose)
+    run_steps(policy, acceptance, steps)
+    return made
+
+
+def test_a_repeated_choice_holds_twice_as_long_up_to_max_hold(monkeypatch):
+    policy = DraftPolicy(7, profile(0.010, 0.0001))  # drafting pays
+    made = choice_steps(policy, {"a": 0.9, "b": 0.9}, 1 + 4 + 8 + 16 + 3 * MAX_HOLD,
+                        monkeypatch)
+    assert policy.drafting
+    assert np.diff(made).tolist() == [4, 8, 16, MAX_HOLD, MAX_HOLD, MAX_HOLD]
+
+
+def test_while_drafting_is_off_the_choice_is_made_once_per_exploration_or_less(monkeypatch):
     policy = DraftPolicy(7, profile(0.0, 0.001))
-    run_steps(policy, {"a": 0.0, "b": 0.0}, steps=100)
+    made = choice_steps(policy, {"a": 0.0, "b": 0.0}, 400, monkeypatch)
     assert not policy.drafting
-    choices = []
-    monkeypatch.setattr(policy, "choose", lambda ids: choices.append(1) or np.zeros(len(ids),
-                                                                                   dtype=int))
-    run_steps(policy, {"a": 0.0, "b": 0.0}, steps=4 * EXPLORE_INTERVAL)
-    assert len(choices) == 4
+    # Once off, choices come EXPLORE_INTERVAL steps apart or more, and in the end MAX_HOLD.
+    gaps = np.diff(made).tolist()
+    first_off = next(i for i, gap in enumerate(gaps) if gap >= EXPLORE_INTERVAL)
+    assert min(gaps[first_off:]) >= EXPLORE_INTERVAL
+    assert gaps[-3:] == [MAX_HOLD] * 3
 
 
 def test_drafter_skipped_when_no_request_drafts():

@@ -61,6 +61,9 @@ PLAIN_STEP_WEIGHT = 16.0
 # costs ~0.1-0.3 ms of host time, a few percent of a small step. Requests joining and leaving
 # (every few steps at C=4) would otherwise force a choice nearly every step.
 REPLAN_INTERVAL = 4
+# A uniform choice that repeats the last one holds twice as long as that one did, up to this
+# many steps: a steady batch (every request at K, or all off) is re-chosen rarely.
+MAX_HOLD = 32
 REPORT_INTERVAL_S = 5.0
 
 
@@ -256,6 +259,7 @@ class _Choice:
     batch: tuple[str, ...]  # the request ids it was made for, in order
     lengths: np.ndarray
     step: int
+    hold: int  # steps it holds
 
     @property
     def uniform(self) -> bool:
@@ -297,17 +301,15 @@ class DraftPolicy:
         self.steps += 1
         batch = tuple(req_ids)
         chosen = self.chosen
-        # While drafting is off, nothing but measurements can turn it on, and the exploring
-        # step brings the next ones every EXPLORE_INTERVAL steps: choose that often only.
-        hold = REPLAN_INTERVAL if self.drafting else EXPLORE_INTERVAL
-        if chosen and self.steps - chosen.step < hold and chosen.batch == batch:
+        holds = chosen is not None and self.steps - chosen.step < chosen.hold
+        if holds and chosen.batch == batch:
             lengths = chosen.lengths.copy()
-        elif chosen and self.steps - chosen.step < hold and chosen.uniform:
+        elif holds and chosen.uniform:
             # One length for the whole batch holds for requests that join it, too.
             lengths = np.full(len(req_ids), chosen.lengths[0])
         else:
             lengths = self.choose(req_ids)
-            self.chosen = _Choice(batch, lengths.copy(), self.steps)
+            self.chosen = _Choice(batch, lengths.copy(), self.steps, self._hold(chosen, lengths))
         num_draft = int(lengths.max())
         if self.drafting and self.steps % PROBE_INTERVAL == 0:
             lengths[:], num_draft = 0, 0  # a plain step: the fit's measure without drafts
@@ -319,6 +321,15 @@ class DraftPolicy:
                 lengths[(self.steps // EXPLORE_INTERVAL) % len(req_ids)] = max_draft
         self.report.add(lengths, num_draft > 0)
         return Plan(lengths.tolist(), num_draft)
+
+    def _hold(self, last: _Choice | None, lengths: np.ndarray) -> int:
+        """How many steps a new choice of lengths holds."""
+        # While drafting is off, nothing but measurements can turn it on, and the exploring
+        # step brings the next ones every EXPLORE_INTERVAL steps: choose that often only.
+        base = REPLAN_INTERVAL if self.drafting else EXPLORE_INTERVAL
+        if last is not None and last.uniform and (lengths == last.lengths[0]).all():
+            return min(2 * last.hold, max(base, MAX_HOLD))
+        return base
 
     def choose(self, req_ids: list[str]) -> np.ndarray:
         """[n] draft lengths that maximise predicted tokens per second."""
