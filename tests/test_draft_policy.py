@@ -8,6 +8,7 @@ import pytest
 
 from vllm_dflash.draft_policy import (
     EXPLORE_INTERVAL,
+    MAX_EXPLORE_INTERVAL,
     MAX_HOLD,
     PROBE_INTERVAL,
     AcceptanceModel,
@@ -234,10 +235,22 @@ def test_drafting_comes_back_through_exploration():
     assert policy.drafting and history[-1] == [7, 7]
 
 
+def test_explorations_grow_rarer_while_drafting_stays_off():
+    policy = DraftPolicy(7, profile(0.005, 0.0001))
+    history = run_steps(policy, {"a": 0.0, "b": 0.0}, steps=600)
+    assert not policy.drafting and policy.explore_interval == MAX_EXPLORE_INTERVAL
+    exploring = [i for i, lengths in enumerate(history) if max(lengths) > 0]
+    gaps = np.diff(exploring).tolist()
+    assert gaps[-2:] == [MAX_EXPLORE_INTERVAL] * 2 and gaps == sorted(gaps)
+    # Drafting that pays again is found, and exploration is back to every EXPLORE_INTERVAL.
+    run_steps(policy, {"a": 0.98, "b": 0.98}, steps=4 * MAX_EXPLORE_INTERVAL)
+    assert policy.drafting and policy.explore_interval == EXPLORE_INTERVAL
+
+
 def test_exploration_prepares_full_drafts_the_step_before():
     policy = DraftPolicy(7, profile(0.0, 0.001))
     run_steps(policy, {"a": 0.0, "b": 0.0}, steps=3 * EXPLORE_INTERVAL)
-    plans = [policy.plan(["a", "b"]) for _ in range(EXPLORE_INTERVAL)]
+    plans = [policy.plan(["a", "b"]) for _ in range(policy.explore_interval)]
     exploring = [i for i, plan in enumerate(plans) if max(plan.lengths) > 0]
     assert len(exploring) == 1
     i = exploring[0]
@@ -300,5 +313,6 @@ def test_while_drafting_is_off_the_choice_is_made_once_per_exploration_or_less(m
 def test_drafter_skipped_when_no_request_drafts():
     policy = DraftPolicy(7, profile(0.0, 0.001))
     run_steps(policy, {"a": 0.0}, steps=40)
-    plans = [policy.plan(["a"]) for _ in range(EXPLORE_INTERVAL)]
-    assert sum(plan.num_draft == 0 for plan in plans) == EXPLORE_INTERVAL - 1
+    interval = policy.explore_interval
+    plans = [policy.plan(["a"]) for _ in range(interval)]
+    assert sum(plan.num_draft == 0 for plan in plans) == interval - 1

@@ -50,6 +50,10 @@ SWITCH_MARGIN = 0.03
 # drafts short) sees when drafting deeper would pay again. Costs one drafter run and K extra
 # tokens per interval.
 EXPLORE_INTERVAL = 16
+# While drafting stays off, each choice that keeps it off doubles that interval, up to this:
+# an exploration needs a drafter run for the whole batch, a cost that buys nothing while the
+# drafts do not pay. Drafting again (even short) brings the interval back to EXPLORE_INTERVAL.
+MAX_EXPLORE_INTERVAL = 128
 # While drafting, every PROBE_INTERVAL steps one step verifies no drafts (and the drafter
 # skips its pass): without it, steps that always verify K drafts per request cannot tell the
 # cost of the drafts from the rest of the step. Costs 2 of PROBE_INTERVAL steps their drafts.
@@ -281,6 +285,7 @@ class DraftPolicy:
         self.acceptance = AcceptanceModel(max_draft)
         self.cost = StepCostModel(profile)
         self.drafting = True
+        self.explore_interval = EXPLORE_INTERVAL
         self.steps = 0
         self.chosen: _Choice | None = None
         self.pending_drafts: list[tuple[str, int, int]] = []
@@ -314,11 +319,12 @@ class DraftPolicy:
         if self.drafting and self.steps % PROBE_INTERVAL == 0:
             lengths[:], num_draft = 0, 0  # a plain step: the fit's measure without drafts
         elif num_draft < max_draft:
-            phase = self.steps % EXPLORE_INTERVAL
-            if phase == EXPLORE_INTERVAL - 1:
+            interval = self.explore_interval  # a power of 2: its phases stay aligned
+            phase = self.steps % interval
+            if phase == interval - 1:
                 num_draft = max_draft  # full drafts ready for the exploring step
             elif phase == 0:
-                lengths[(self.steps // EXPLORE_INTERVAL) % len(req_ids)] = max_draft
+                lengths[(self.steps // interval) % len(req_ids)] = max_draft
         self.report.add(lengths, num_draft > 0)
         return Plan(lengths.tolist(), num_draft)
 
@@ -351,6 +357,8 @@ class DraftPolicy:
             self.drafting = not off > on * (1.0 + SWITCH_MARGIN)
         else:
             self.drafting = on > off * (1.0 + SWITCH_MARGIN)
+            self.explore_interval = (EXPLORE_INTERVAL if self.drafting else
+                                     min(2 * self.explore_interval, MAX_EXPLORE_INTERVAL))
         return lengths if self.drafting else np.zeros(n, dtype=lengths.dtype)
 
     def _per_request(self, expected: np.ndarray) -> tuple[np.ndarray, float]:
