@@ -51,3 +51,16 @@ def test_draft_sampling_from_vllm_metadata(all_greedy: bool):
         assert sampling is None
     else:  # greedy row 0 and seeded row 2 draft the argmax
         assert sampling.sampled.tolist() == [False, True, False, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_exponential_draws_exp_1_and_follows_its_generator(dtype):
+    from scipy import stats
+
+    from vllm_dflash.layers import exponential_
+
+    draws = exponential_(torch.empty(200_000, dtype=dtype), torch.Generator().manual_seed(0))
+    assert draws.dtype == dtype and bool((draws > 0).all())
+    assert stats.kstest(draws.numpy(), "expon").pvalue > 1e-3
+    again = exponential_(torch.empty(200_000, dtype=dtype), torch.Generator().manual_seed(0))
+    assert torch.equal(draws, again)

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from vllm_dflash.kernels.argmax import argmax_rows
+from vllm_dflash.layers import exponential_
 
 
 class DraftSampling(NamedTuple):
@@ -43,7 +44,7 @@ def sample_drafts(logits: torch.Tensor,
     sampled = sampling.sampled[:, None, None]
     temperature = torch.where(sampling.sampled, sampling.temperature, 1.0).float()
     probs = (logits.float() / temperature[:, None, None]).softmax(dim=-1)
-    race = torch.empty_like(probs).exponential_().reciprocal_().mul_(probs)  # argmax ~ probs
+    race = exponential_(torch.empty_like(probs)).reciprocal_().mul_(probs)  # argmax ~ probs
     tokens = torch.where(sampling.sampled[:, None], argmax_rows(race), argmax_rows(logits))
     del race
     q_of_token = probs.gather(-1, tokens[..., None])

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from vllm_dflash.kernels.argmax import argmax_rows
+from vllm_dflash.layers import exponential_
 
 
 class Randoms(NamedTuple):
@@ -62,15 +63,15 @@ def draw_randoms(
     """
     noise_dtype = torch.float64 if fp64_noise else torch.float32
     uniform = torch.rand(sum(num_draft_tokens), dtype=torch.float64, device=device)
-    exp = torch.empty(len(num_draft_tokens), vocab_size, dtype=noise_dtype, device=device)
-    exp.exponential_()
+    exp = exponential_(torch.empty(len(num_draft_tokens), vocab_size, dtype=noise_dtype,
+                                   device=device))
     starts = [0]
     for n in num_draft_tokens:
         starts.append(starts[-1] + n)
     for b, generator in generators.items():
         if num_draft_tokens[b] > 0:
             uniform[starts[b] : starts[b + 1]].uniform_(generator=generator)
-            exp[b].exponential_(generator=generator)
+            exponential_(exp[b], generator)
     # E == 0 would turn a zero residual into 0 * inf = nan; a tiny floor keeps the scores finite.
     inv_exp = exp.clamp_min_(torch.finfo(noise_dtype).tiny).reciprocal_()
     return Randoms(uniform, inv_exp)
