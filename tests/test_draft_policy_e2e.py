@@ -74,12 +74,18 @@ def trained_run(adaptive, baseline, prompts):
 
 
 @pytest.fixture(scope="module")
-def useless_run(adaptive, baseline, prompts, tmp_path_factory):
+def useless_pair(tmp_path_factory) -> Pair:
+    """The trained target with a random drafter: its drafts are almost never accepted."""
     from vllm_dflash.tiny import write_random_drafter
 
     drafter = tmp_path_factory.mktemp("random") / "drafter"
     write_random_drafter(drafter, TRAINED.target, block_size=8, num_layers=1)
-    llm = dflash_llm(Pair(TRAINED.target, drafter, 8), K, max_num_seqs=16)
+    return Pair(TRAINED.target, drafter, 8)
+
+
+@pytest.fixture(scope="module")
+def useless_run(adaptive, baseline, prompts, useless_pair):
+    llm = dflash_llm(useless_pair, K, max_num_seqs=16)
     llm.collective_rpc(_count_sampler_paths)
     result = outputs(llm, prompts)
     metrics = spec_metrics(llm) | llm.collective_rpc(_sampler_path_counts)[0]
@@ -122,6 +128,25 @@ def test_seeded_sampling_is_reproducible_with_adaptive_lengths(trained_run, prom
         first, second = ([o.outputs[0].token_ids for o in llm.generate(prompts, params)]
                          for _ in range(2))
         assert first == second
+        assert llm.llm_engine.engine_core.engine_core.scheduler.vllm_dflash_seeded == set()
+    finally:
+        del llm
+
+
+def test_seeded_requests_waiting_behind_a_switched_off_policy_are_reproducible(
+        adaptive, prompts, useless_pair):
+    # 4 at a time: seeded requests are prefilled while the policy has drafting off for the
+    # others, and must still draft K from their first step.
+    from vllm import SamplingParams
+
+    llm = dflash_llm(useless_pair, K, max_num_seqs=4)
+    try:
+        params = [SamplingParams(max_tokens=24, temperature=1.0, seed=i) if i % 2 else
+                  SamplingParams(max_tokens=24, temperature=0.0) for i in range(len(prompts))]
+        first, second = ([o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+                         for _ in range(2))
+        assert first == second
+        assert llm.llm_engine.engine_core.engine_core.scheduler.vllm_dflash_seeded == set()
     finally:
         del llm
 

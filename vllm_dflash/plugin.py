@@ -297,6 +297,7 @@ def _patch_engine_core() -> None:
 
         profile = self.collective_rpc(_profile_step_costs)[0]
         self.scheduler.vllm_dflash_policy = DraftPolicy(spec.num_speculative_tokens, profile)
+        self.scheduler.vllm_dflash_seeded = set()  # ids of the seeded requests it holds
         logger.info(
             "vllm-dflash: adaptive draft length, 0..%d tokens per request and step "
             "(%s=fixed for always %d); start-up profile (ms): target at %s tokens: %s, "
@@ -335,6 +336,7 @@ def _patch_scheduler() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     schedule, update_from_output = Scheduler.schedule, Scheduler.update_from_output
+    add_request, free_request = Scheduler.add_request, Scheduler._free_request
 
     def schedule_with_policy(self, *args, **kwargs):
         policy = getattr(self, "vllm_dflash_policy", None)
@@ -345,8 +347,11 @@ def _patch_scheduler() -> None:
             for request, length in zip(adaptive, plan.lengths):
                 if len(request.spec_token_ids) > length:
                     request.spec_token_ids = request.spec_token_ids[:length]
-            # Seeded requests prefilled this step (still waiting now) draft K from the start.
-            seeded = len(adaptive) < len(decoding) or any(map(_is_seeded_sampling, self.waiting))
+            # Seeded requests prefilled this step (still waiting now) draft K from the start. The
+            # waiting queue (all of an offline batch's prompts) is searched only if the
+            # scheduler holds a seeded request at all.
+            seeded = len(adaptive) < len(decoding) or (
+                bool(self.vllm_dflash_seeded) and any(map(_is_seeded_sampling, self.waiting)))
             num_draft = self.num_spec_tokens if seeded else plan.num_draft
             self.dynamic_sd_lookup = _StepDraftLength(num_draft)
         return schedule(self, *args, **kwargs)
@@ -361,8 +366,20 @@ def _patch_scheduler() -> None:
             _log_summary(policy.summary(flush=True))
         return outputs
 
+    def add_request_noting_seeded(self, request) -> None:
+        add_request(self, request)
+        if getattr(self, "vllm_dflash_policy", None) is not None and _is_seeded_sampling(request):
+            self.vllm_dflash_seeded.add(request.request_id)
+
+    def free_request_noting_seeded(self, request, *args, **kwargs):
+        if getattr(self, "vllm_dflash_policy", None) is not None:
+            self.vllm_dflash_seeded.discard(request.request_id)
+        return free_request(self, request, *args, **kwargs)
+
     Scheduler.schedule = schedule_with_policy
     Scheduler.update_from_output = update_from_output_with_policy
+    Scheduler.add_request = add_request_noting_seeded
+    Scheduler._free_request = free_request_noting_seeded
 
 
 def _is_seeded_sampling(request) -> bool:
