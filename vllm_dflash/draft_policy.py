@@ -330,8 +330,8 @@ class DraftPolicy:
 
     def _hold(self, last: _Choice | None, lengths: np.ndarray) -> int:
         """How many steps a new choice of lengths holds."""
-        # While drafting is off, nothing but measurements can turn it on, and the exploring
-        # step brings the next ones every EXPLORE_INTERVAL steps: choose that often only.
+        # While drafting is off, nothing but measurements can turn it on, and exploring steps
+        # bring the next ones EXPLORE_INTERVAL steps apart or more: choose that often at most.
         base = REPLAN_INTERVAL if self.drafting else EXPLORE_INTERVAL
         if last is not None and last.uniform and (lengths == last.lengths[0]).all():
             return min(2 * last.hold, max(base, MAX_HOLD))
