@@ -474,8 +474,9 @@ def use_dflash_verification() -> None:
     constrain = rejection_sampler.apply_sampling_constraints
 
     def apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata):
-        # vLLM 0.32 runs the rejection sampler on steps with zero draft rows (prefills); its
-        # top-k-only path then reduces an empty tensor and crashes. Zero rows need nothing.
+        # A step without drafts reaches the rejection sampler with zero draft rows where it
+        # keeps vLLM's speculative path (hybrid targets; other steps run plain): vLLM 0.32's
+        # top-k-only path then reduces an empty tensor and crashed on CPU. Zero rows need nothing.
         if logits.shape[0] == 0:
             return logits
         # vLLM's sampler applies min_p after the temperature and before top-k/top-p.
