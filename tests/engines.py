@@ -123,6 +123,18 @@ def speculative_config_stub(model: str, num_speculative_tokens: int, revision=No
                            kv_cache_dtype=None, disable_padded_drafter_batch=False)
 
 
+def seeded_and_greedy_twice(llm, prompts: list, max_tokens: int) -> list[list[list[int]]]:
+    """The token ids of two identical generates of prompts: every other request samples at
+    T = 1 with its index as seed, the rest are greedy."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i) if i % 2 else
+              SamplingParams(max_tokens=max_tokens, temperature=0.0)
+              for i in range(len(prompts))]
+    return [[list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+            for _ in range(2)]
+
+
 def alone_batched_structured(llm, prompts: list[dict], max_tokens: int,
                              alone: int | None = None) -> dict[str, list[list[int]]]:
     """Greedy output of the first `alone` prompts one at a time (all by default), of all at

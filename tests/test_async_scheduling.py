@@ -21,6 +21,7 @@ from tests.engines import (
     generate_ids,
     heldout_prompts,
     plain_llm,
+    seeded_and_greedy_twice,
     spec_metrics,
 )
 
@@ -140,14 +141,9 @@ def test_preemption_and_chunked_prefill(draft_length, baseline, prompts):
 
 @pytest.mark.parametrize("draft_length", ["fixed", "adaptive"], indirect=True)
 def test_seeded_sampling_is_reproducible(draft_length, prompts):
-    from vllm import SamplingParams
-
     llm = async_llm(TRAINED)
     try:
-        params = [SamplingParams(max_tokens=32, temperature=1.0, seed=i) if i % 2 else
-                  SamplingParams(max_tokens=32, temperature=0.0) for i in range(len(prompts))]
-        first, second = ([o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-                         for _ in range(2))
+        first, second = seeded_and_greedy_twice(llm, prompts, max_tokens=32)
         assert first == second
     finally:
         del llm

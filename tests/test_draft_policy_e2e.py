@@ -16,6 +16,7 @@ from tests.engines import (
     generate_ids,
     heldout_prompts,
     plain_llm,
+    seeded_and_greedy_twice,
     spec_metrics,
 )
 
@@ -117,38 +118,26 @@ def test_adaptive_greedy_equals_no_speculation_at_concurrency_1_and_16(baseline,
     assert got["structured"] == baseline["structured"]
 
 
-def test_seeded_sampling_is_reproducible_with_adaptive_lengths(trained_run, prompts):
-    from vllm import SamplingParams
-
-    llm = dflash_llm(TRAINED, K, max_num_seqs=16)
+def assert_seeded_sampling_reproducible(pair: Pair, max_num_seqs: int, prompts) -> None:
+    llm = dflash_llm(pair, K, max_num_seqs=max_num_seqs)
     try:
-        # Seeded and greedy requests in one batch: greedy ones keep adaptive lengths.
-        params = [SamplingParams(max_tokens=32, temperature=1.0, seed=i) if i % 2 else
-                  SamplingParams(max_tokens=32, temperature=0.0) for i in range(len(prompts))]
-        first, second = ([o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-                         for _ in range(2))
+        first, second = seeded_and_greedy_twice(llm, prompts, max_tokens=32)
         assert first == second
         assert llm.llm_engine.engine_core.engine_core.scheduler.vllm_dflash_seeded == set()
     finally:
         del llm
+
+
+def test_seeded_sampling_is_reproducible_with_adaptive_lengths(trained_run, prompts):
+    # Seeded and greedy requests in one batch: greedy ones keep adaptive lengths.
+    assert_seeded_sampling_reproducible(TRAINED, 16, prompts)
 
 
 def test_seeded_requests_waiting_behind_a_switched_off_policy_are_reproducible(
         adaptive, prompts, useless_pair):
     # 4 at a time: seeded requests are prefilled while the policy has drafting off for the
     # others, and must still draft K from their first step.
-    from vllm import SamplingParams
-
-    llm = dflash_llm(useless_pair, K, max_num_seqs=4)
-    try:
-        params = [SamplingParams(max_tokens=24, temperature=1.0, seed=i) if i % 2 else
-                  SamplingParams(max_tokens=24, temperature=0.0) for i in range(len(prompts))]
-        first, second = ([o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-                         for _ in range(2))
-        assert first == second
-        assert llm.llm_engine.engine_core.engine_core.scheduler.vllm_dflash_seeded == set()
-    finally:
-        del llm
+    assert_seeded_sampling_reproducible(useless_pair, 4, prompts)
 
 
 def test_adaptive_policy_is_on_and_logged(adaptive, trained_run):
