@@ -18,7 +18,8 @@ forward passes do not include fitted online to the measured step times: the host
 sampled drafts), which depend on the traffic. Every PROBE_INTERVAL steps one step runs without
 drafts, so that the fit can tell the cost of drafting from the rest of a step. The policy
 maximises tokens per second of the batch, choosing each k_r from a small fixed set
-(0, 1, 3, 7, ..., K) so that the shapes the target and drafter see stay few. k_r = 0 is plain decoding; when every k_r is 0 the drafter is skipped.
+(0, 1, 3, 7, ..., K) so that the shapes the target and drafter see stay few. k_r = 0 is plain
+decoding; when every k_r is 0 the drafter is skipped (and the step runs as a plain step).
 
 Pure Python + numpy: no vLLM, no device work, no synchronisation. vLLM's scheduler calls it
 (plugin.py), where acceptance counts and step times are already on the host.
