@@ -504,7 +504,7 @@ def test_triton_matches_reference_interpreted(kernel: str,
 # ---------------------------------------------------------------------------- Triton (sm_90)
 
 
-def _sm90_compile(kernel, signature: dict[str, str], constexprs: dict):
+def _sm90_compile(kernel, signature: dict[str, str], constexprs: dict, num_stages: int = 3):
     """Compiles a Triton kernel for an H100/H200 target; needs no GPU, only the bundled ptxas."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -512,7 +512,8 @@ def _sm90_compile(kernel, signature: dict[str, str], constexprs: dict):
 
     signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_stages": num_stages})
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
@@ -520,11 +521,12 @@ def _sm90_compile(kernel, signature: dict[str, str], constexprs: dict):
                     "test checks the compiler, and runs in the default suite without it")
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")
 def test_triton_kernels_compile_for_sm90() -> None:
-    """The bf16 kernels at Qwen3-8B drafter shapes go through the whole GPU compiler (ptx, cubin):
-    catches what the interpreter accepts but codegen does not."""
+    """The kernels at Qwen3-8B drafter shapes go through the whole GPU compiler (ptx, cubin):
+    catches what the interpreter accepts but codegen does not, and tiles too large for an SM's
+    shared memory (fp32 attention once asked for 256 KiB)."""
     import triton.language as tl
 
-    from vllm_dflash.kernels.draft_attention import _draft_attention_kernel
+    from vllm_dflash.kernels.draft_attention import _draft_attention_kernel, tile_config
     from vllm_dflash.kernels.kv_injection import _kv_injection_kernel
 
     _sm90_compile(
@@ -535,21 +537,23 @@ def test_triton_kernels_compile_for_sm90() -> None:
         {"CACHE_DTYPE": tl.bfloat16, "NUM_LAYERS": 5, "NUM_KV_HEADS": 8, "HEAD_DIM": 128,
          "BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_HALF": 64},
     )
-    def arg_type(name: str) -> str:
-        if name in ("q_ptr", "k_ptr", "v_ptr", "cache_ptr", "out_ptr"):
-            return "*bf16"
-        if name.endswith("_ptr"):
+    def arg_type(arg: str, tensor_type: str) -> str:
+        if arg in ("q_ptr", "k_ptr", "v_ptr", "cache_ptr", "out_ptr"):
+            return tensor_type
+        if arg.endswith("_ptr"):
             return "*i32"
-        return "fp32" if name == "scale_log2" else "i32"
+        return "fp32" if arg == "scale_log2" else "i32"
 
-    for causal, sliding in ((False, False), (True, True)):
-        constexprs = {"HEAD_DIM": 128, "BLOCK_D": 128, "GROUP": 4, "GROUP_PAD": 4, "BLOCK_Q": 16,
-                      "BLOCK_N": 64, "BLOCK_SIZE": 16, "CAUSAL": causal, "SLIDING": sliding,
-                      "WIDEN_DOT": False, "DOT_PRECISION": "tf32"}
-        signature = {name: arg_type(name) for name in _draft_attention_kernel.arg_names
-                     if name not in constexprs}
-        compiled = _sm90_compile(_draft_attention_kernel, signature, constexprs)
-        assert compiled.metadata.shared <= 227 * 1024  # fits an sm_90 SM
+    for dtype, tensor_type in ((torch.bfloat16, "*bf16"), (torch.float32, "*fp32")):
+        for causal, sliding in ((False, False), (True, True)):
+            tiles = tile_config(dtype, head_dim=128, group=4, max_query_len=16)
+            num_stages = tiles.pop("num_stages")
+            constexprs = {"HEAD_DIM": 128, "GROUP": 4, "BLOCK_SIZE": 16, "CAUSAL": causal,
+                          "SLIDING": sliding, "WIDEN_DOT": False, **tiles}
+            signature = {arg: arg_type(arg, tensor_type) for arg in _draft_attention_kernel.arg_names
+                         if arg not in constexprs}
+            compiled = _sm90_compile(_draft_attention_kernel, signature, constexprs, num_stages)
+            assert compiled.metadata.shared <= 227 * 1024, (dtype, compiled.metadata.shared)
 
 
 # ---------------------------------------------------------------------------- CUDA sources

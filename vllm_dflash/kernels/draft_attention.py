@@ -337,6 +337,25 @@ def _draft_attention_kernel(
 _INTERPRETED = triton.knobs.runtime.interpret
 
 
+def tile_config(dtype: torch.dtype, head_dim: int, group: int, max_query_len: int) -> dict:
+    """The launch's tile constexprs and pipeline depth (num_stages) for `dtype`."""
+    group_pad = triton.next_power_of_2(group)
+    # fp32 on an H200: "ieee" dots of these tiles had not compiled after 3 minutes, and 64-key
+    # tiles in 3 stages asked for 256 KiB of shared memory (227 KiB there). tf32x3 keeps fp32
+    # accuracy on tensor cores; 32-key tiles in 2 stages fit.
+    fp32 = dtype == torch.float32
+    return {
+        "BLOCK_D": max(triton.next_power_of_2(head_dim), 16),
+        "GROUP_PAD": group_pad,
+        # ~64 rows per tile, at least 16 (the smallest tl.dot).
+        "BLOCK_Q": max(min(triton.next_power_of_2(max_query_len), 64 // group_pad),
+                       16 // group_pad, 1),
+        "BLOCK_N": 32 if fp32 else 64,
+        "DOT_PRECISION": "tf32x3" if fp32 else "tf32",
+        "num_stages": 2 if fp32 else 3,
+    }
+
+
 def draft_attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -364,10 +383,8 @@ def draft_attention_triton(
     if max_query_len == 0:
         return out
     group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    # ~64 rows per tile, at least 16 (the smallest tl.dot).
-    block_q = max(min(triton.next_power_of_2(max_query_len), 64 // group_pad), 16 // group_pad, 1)
-    grid = (num_requests, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    tiles = tile_config(q.dtype, head_dim, group, max_query_len)
+    grid = (num_requests, num_kv_heads, triton.cdiv(max_query_len, tiles["BLOCK_Q"]))
     _draft_attention_kernel[grid](
         q, k, v, kv_cache, out,
         block_table, context_lens, query_start_loc,
@@ -376,16 +393,12 @@ def draft_attention_triton(
         scale * math.log2(math.e),
         sliding_window or 0,
         HEAD_DIM=head_dim,
-        BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
         GROUP=group,
-        GROUP_PAD=group_pad,
-        BLOCK_Q=block_q,
-        BLOCK_N=64,
         BLOCK_SIZE=kv_cache.shape[2],
         CAUSAL=causal,
         SLIDING=sliding_window is not None,
         WIDEN_DOT=_INTERPRETED,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **tiles,
     )
     return out
 
