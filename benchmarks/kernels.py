@@ -292,7 +292,29 @@ def bench_drafter_step(args: argparse.Namespace, drafter: DFlashDrafter,
     report(rows, {"what": "drafter_step", "path": "triton+cuda-graph", "batch": batch,
                   "tokens": tokens, "ms_per_step": ms, "eager_ms_per_step": eager_ms["triton"],
                   "tokens_equal_eager": equal}, note)
+    if args.profile:
+        profile_kernels(lambda: triton_step(paged.anchors, draft_batch), args.repeats)
     return equal
+
+
+def profile_kernels(step: Callable[[], torch.Tensor], repeats: int) -> None:
+    """The GPU kernels of `repeats` eager steps by their total time, and their sum per step:
+    the floor under a CUDA graph replay of the step."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    # Two steps before the recorded ones: the first profiled cycle also reported kernels that
+    # ran before profiling began (a 30 ms GEMM of the reference path in a 7 ms step).
+    with profile(activities=[ProfilerActivity.CUDA],
+                 schedule=schedule(wait=1, warmup=1, active=repeats)) as prof:
+        for _ in range(repeats + 2):
+            step()
+            torch.cuda.synchronize()
+            prof.step()
+    events = prof.key_averages()
+    print(events.table(sort_by="self_device_time_total", row_limit=15,
+                       max_name_column_width=70))
+    per_step_ms = sum(e.self_device_time_total for e in events) / repeats / 1000
+    print(f"kernel time per step: {per_step_ms:.3f} ms")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -312,6 +334,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sliding-window", type=int, default=None)
     parser.add_argument("--cuda-graph", action="store_true",
                         help="also replay the drafter step from a CUDA graph (CUDA only)")
+    parser.add_argument("--profile", action="store_true",
+                        help="with --cuda-graph: the drafter step's kernels by time")
     parser.add_argument("--repeats", type=int, default=None, help="default 50 CUDA, 5 CPU")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
@@ -325,6 +349,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.device = torch.device("cuda", torch.cuda.current_device())
     if args.cuda_graph and not on_gpu:
         parser.error("--cuda-graph needs a CUDA device")
+    if args.profile and not args.cuda_graph:
+        parser.error("--profile needs --cuda-graph")
     for name, value in (GPU_SHAPES if on_gpu else CPU_SHAPES).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
