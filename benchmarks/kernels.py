@@ -245,7 +245,8 @@ def draft_step(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head: torc
                          batch.query_start_loc, drafter.scale, cfg.layer_is_causal(layer),
                          cfg.layer_window(layer), max_query_len=cfg.block_size)
 
-    hidden = drafter(F.embedding(block_ids.flatten(), embed_weight), positions, attend)
+    hidden = drafter(F.embedding(block_ids.flatten(), embed_weight), positions, attend,
+                     block_len=cfg.block_size)
     hidden = hidden.view(num_reqs, cfg.block_size, -1)[:, 1:].flatten(0, 1)
     return F.linear(hidden, lm_head).max(dim=-1).indices.view(num_reqs, -1)
 

@@ -80,7 +80,8 @@ def draft(
     start = context[0][0].shape[0]
     attend = dense_attend(context, layer_masks(drafter.cfg, start), drafter.scale)
     positions = torch.arange(start, start + len(tokens))
-    return drafter(drafter.embed(tokens, target.embed_tokens.weight), positions, attend)
+    return drafter(drafter.embed(tokens, target.embed_tokens.weight), positions, attend,
+                   block_len=len(tokens))
 
 
 def reference_draft(

@@ -65,8 +65,8 @@ def _eager_draft_graphs(worker) -> list[int]:
 
     def compared_run(anchors, batch):
         hidden = run(anchors, batch)
-        tokens, _ = drafter.choose_tokens(hidden)
-        expected, _ = drafter.choose_tokens(drafter.draft_hidden(anchors, batch))
+        tokens, _ = drafter.choose_tokens(hidden, anchors)
+        expected, _ = drafter.choose_tokens(drafter.draft_hidden(anchors, batch), anchors)
         graphs.stats["padded_steps"] += anchors.shape[0] not in graphs.sizes
         graphs.stats["tokens"] += expected.numel()
         graphs.stats["different"] += int((tokens != expected).sum())

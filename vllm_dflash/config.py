@@ -26,9 +26,12 @@ class DFlashConfigError(ValueError):
     """A drafter config or checkpoint that cannot work; the message names the field and the fix."""
 
 
-# Drafters that vLLM also runs as method "dflash", with a candidate head and layers this drafter
-# does not have.
-OTHER_DRAFT_ARCHITECTURES = {"DFlash2DraftModel", "LiLiCorrDraftModel"}
+DFLASH2 = "DFlash2DraftModel"
+# The keys a DFlash2 drafter adds (dflash_config or top level): its grouped convolutions and its
+# candidate selector.
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# A drafter that vLLM also runs as method "dflash", with a head this package does not have.
+OTHER_DRAFT_ARCHITECTURES = {"LiLiCorrDraftModel"}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -75,6 +78,13 @@ class DFlashConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     input_embedding_scale: float = 1.0
+    # DFlash2 (all four set, or none): per-layer grouped dynamic causal convolutions over the
+    # block (taps, channels per group) and the candidate selector (codebook rank, candidates
+    # per position).
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -97,6 +107,35 @@ class DFlashConfig:
                 "dflash_config.target_layer_ids is empty; fix: list the target layers whose "
                 "outputs the drafter reads"
             )
+        if self.is_dflash2:
+            self._check_dflash2()
+
+    @property
+    def is_dflash2(self) -> bool:
+        return any(getattr(self, key) is not None for key in DFLASH2_KEYS)
+
+    def _check_dflash2(self) -> None:
+        missing = [key for key in DFLASH2_KEYS if getattr(self, key) is None]
+        if missing:
+            raise DFlashConfigError(
+                f"a {DFLASH2} config needs {list(DFLASH2_KEYS)} in dflash_config; {missing} "
+                "missing; fix: add them from the checkpoint's training config"
+            )
+        if self.conv_kernel_size < 1 or self.selector_rank < 1:
+            raise DFlashConfigError(
+                f"conv_kernel_size {self.conv_kernel_size} and selector_rank "
+                f"{self.selector_rank} must be >= 1; fix: correct dflash_config"
+            )
+        if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+            raise DFlashConfigError(
+                f"conv_group_size {self.conv_group_size} does not divide hidden_size "
+                f"{self.hidden_size}; fix: correct dflash_config.conv_group_size"
+            )
+        if not 1 <= self.selector_top_k <= self.vocab_size:
+            raise DFlashConfigError(
+                f"selector_top_k {self.selector_top_k} is outside [1, vocab_size "
+                f"{self.vocab_size}]; fix: correct dflash_config.selector_top_k"
+            )
 
     @property
     def num_features(self) -> int:
@@ -114,11 +153,12 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
-        other = set(d.get("architectures") or ()) & OTHER_DRAFT_ARCHITECTURES
+        architectures = set(d.get("architectures") or ())
+        other = architectures & OTHER_DRAFT_ARCHITECTURES
         if other:
             raise DFlashConfigError(
-                f"architectures {sorted(other)}: drafters with a candidate head are not "
-                "supported by vllm-dflash yet; fix: use a DFlashDraftModel checkpoint"
+                f"architectures {sorted(other)}: this drafter head is not supported by "
+                f"vllm-dflash yet; fix: use a DFlashDraftModel or {DFLASH2} checkpoint"
             )
         dc = d.get("dflash_config")
         if not isinstance(dc, dict):
@@ -165,6 +205,7 @@ class DFlashConfig:
             output_multiplier=float(_draft(d, dc, "output_multiplier", 1.0)),
             final_logit_softcapping=float(softcap) if softcap and softcap > 0 else None,
             input_embedding_scale=float(_draft(d, dc, "input_embedding_scale", 1.0)),
+            **_dflash2_fields(d, dc, DFLASH2 in architectures),
         )
 
     @classmethod
@@ -191,12 +232,14 @@ class DFlashConfig:
             "final_logit_softcapping": self.final_logit_softcapping,
             "input_embedding_scale": self.input_embedding_scale,
         }
+        if self.is_dflash2:
+            dflash_config |= {key: getattr(self, key) for key in DFLASH2_KEYS}
         causal: dict[str, Any] = {}
         if self.causal is not None:
             dflash_config["causal"] = self.causal
             causal["is_causal"] = self.causal  # the reference reads only the top-level flag
         return {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [DFLASH2 if self.is_dflash2 else "DFlashDraftModel"],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -236,6 +279,21 @@ def _required(d: dict[str, Any], key: str, dflash_config: dict[str, Any] | None 
 def _draft(d: dict[str, Any], dflash_config: dict[str, Any], key: str, default: Any = None) -> Any:
     # Newer checkpoints move keys into dflash_config; there they win over the top level.
     return dflash_config.get(key, d.get(key, default))
+
+
+def _dflash2_fields(d: dict[str, Any], dflash_config: dict[str, Any],
+                    is_dflash2: bool) -> dict[str, int | None]:
+    """The DFlash2 keys of a DFlash2 config, ints or None where missing (DFlashConfig names
+    those); {} for other architectures."""
+    if not is_dflash2:
+        return {}
+    values = {key: _draft(d, dflash_config, key) for key in DFLASH2_KEYS}
+    if all(value is None for value in values.values()):
+        raise DFlashConfigError(
+            f"architectures {[DFLASH2]} but none of {list(DFLASH2_KEYS)} is in dflash_config; "
+            "fix: add them from the checkpoint's training config"
+        )
+    return {key: None if value is None else int(value) for key, value in values.items()}
 
 
 def _rope_theta(d: dict[str, Any]) -> float:

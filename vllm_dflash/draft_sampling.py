@@ -10,7 +10,9 @@ Per request of the batch:
     seeded request (T > 0, seed):  d = argmax, q = one-hot: its output must depend only on its
                                    own generator, which the drafts would otherwise consume
     other request (T > 0):         q = softmax(logits / T), d ~ q (exponential race)
-The target's top-k / top-p are not applied to q: any q keeps the output exact.
+The target's top-k / top-p are not applied to q: any q keeps the output exact. A DFlash2
+drafter's drafts come from its candidate selector's walk instead (`select_drafts`), by the same
+rules per request: q is then spread over each position's candidates.
 """
 
 from typing import Any, NamedTuple
@@ -19,6 +21,7 @@ import torch
 
 from vllm_dflash.kernels.argmax import argmax_rows
 from vllm_dflash.layers import exponential_
+from vllm_dflash.model import CandidateSelector, walk
 
 
 class DraftSampling(NamedTuple):
@@ -50,4 +53,33 @@ def sample_drafts(logits: torch.Tensor,
     q_of_token = probs.gather(-1, tokens[..., None])
     probs.masked_fill_(~sampled, 0.0)  # greedy and seeded requests: one-hot q
     probs.scatter_(-1, tokens[..., None], torch.where(sampled, q_of_token, 1.0))
+    return tokens, probs
+
+
+def select_drafts(selector: CandidateSelector, hidden: torch.Tensor, logits: torch.Tensor,
+                  anchors: torch.Tensor, sampling: DraftSampling | None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A DFlash2 drafter's drafts: the candidate selector's walk from the anchors [B], greedy,
+    or for the requests `sampling` marks drawn at each position from q = softmax(edge scores
+    / T) over that position's candidates. -> tokens [B, K] and, when sampling, q [B, K, V]
+    (zero outside the candidates; one-hot for the other requests)."""
+    candidates, scores = selector.edge_scores(hidden, logits, anchors)
+    if sampling is None:
+        return walk(candidates, scores, lambda p, row: row.argmax(dim=-1)), None
+    sampled = sampling.sampled
+    temperature = torch.where(sampled, sampling.temperature, 1.0).float()[:, None]
+    q_rows = []
+
+    def choose(p: int, row: torch.Tensor) -> torch.Tensor:
+        q = (row / temperature).softmax(dim=-1)
+        q_rows.append(q)
+        race = exponential_(torch.empty_like(q)).reciprocal_().mul_(q)  # argmax ~ q
+        return torch.where(sampled, race.argmax(dim=-1), row.argmax(dim=-1))
+
+    tokens = walk(candidates, scores, choose)
+    q = torch.stack(q_rows, dim=1).masked_fill_(~sampled[:, None, None], 0.0)
+    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    probs.scatter_(-1, candidates, q)
+    q_of_token = probs.gather(-1, tokens[..., None])
+    probs.scatter_(-1, tokens[..., None], torch.where(sampled[:, None, None], q_of_token, 1.0))
     return tokens, probs

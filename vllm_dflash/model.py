@@ -71,6 +71,45 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def grouped_causal_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor,
+                        block_len: int) -> torch.Tensor:
+    """DFlash2's convolution along each block: out[t] = sum_o (base[o] + dynamic[t, o]) * x[t-o]
+    with x[t-o] = 0 before the block's first token. x [T, H] holds T / block_len blocks;
+    dynamic [T, taps, G] is one coefficient per channel group (H / G channels); base
+    [taps, H]."""
+    taps, groups = dynamic.shape[1:]
+    blocks = x.view(-1, block_len, x.shape[-1])
+    dynamic = dynamic.view(-1, block_len, taps, groups, 1)
+    shape = blocks.shape[:2] + (groups, -1)
+    out = torch.zeros_like(blocks)
+    for o in range(min(taps, block_len)):
+        shifted = F.pad(blocks[:, :block_len - o], (0, 0, o, 0))
+        grouped = (dynamic[:, :, o] * shifted.view(shape)).view_as(blocks)
+        out += base[o].to(x.dtype) * shifted + grouped
+    return out.view_as(x)
+
+
+class GroupedConv(nn.Module):
+    """A DFlash2 layer's convolution pair around a sublayer: `prepare` convolves the sublayer's
+    input and returns the coefficients that `finish` applies to its output; both sets come from
+    the input (kernel_projection)."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.taps = cfg.conv_kernel_size
+        self.groups = cfg.hidden_size // cfg.conv_group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, self.taps, cfg.hidden_size))
+        self.kernel_projection = nn.Linear(cfg.hidden_size, 2 * self.taps * self.groups,
+                                           bias=False)
+
+    def prepare(self, x: torch.Tensor, block_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        dynamic = self.kernel_projection(x).view(-1, 2, self.taps, self.groups)
+        return grouped_causal_conv(x, dynamic[:, 0], self.base_kernel[0], block_len), dynamic[:, 1]
+
+    def finish(self, x: torch.Tensor, dynamic: torch.Tensor, block_len: int) -> torch.Tensor:
+        return grouped_causal_conv(x, dynamic, self.base_kernel[1], block_len)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
@@ -78,10 +117,68 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention_conv = GroupedConv(cfg) if cfg.is_dflash2 else None
+        self.mlp_conv = GroupedConv(cfg) if cfg.is_dflash2 else None
 
-    def forward(self, h: torch.Tensor, rope: RopeTables, attend: LayerAttend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, attend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, rope: RopeTables, attend: LayerAttend,
+                block_len: int | None = None) -> torch.Tensor:
+        """block_len: the length of the equal blocks h holds; DFlash2 layers need it."""
+        h = h + self._around(self.attention_conv, partial(self.self_attn, rope=rope,
+                                                          attend=attend),
+                             self.input_layernorm(h), block_len)
+        return h + self._around(self.mlp_conv, self.mlp, self.post_attention_layernorm(h),
+                                block_len)
+
+    @staticmethod
+    def _around(conv: "GroupedConv | None", sublayer: Callable[[torch.Tensor], torch.Tensor],
+                x: torch.Tensor, block_len: int | None) -> torch.Tensor:
+        if conv is None:
+            return sublayer(x)
+        if block_len is None:
+            raise ValueError("a DFlash2 drafter's forward needs block_len")
+        x, dynamic = conv.prepare(x, block_len)
+        return conv.finish(sublayer(x), dynamic, block_len)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's draft choice. Each position keeps its top_k tokens by logit; an edge from the
+    previous position's token u to candidate c scores logit(c) + <pred[u] * proj(h), succ[c]>,
+    and the drafts are a walk from the anchor along the best (or a sampled) edge."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.selector_top_k
+        # Parameters, not nn.Embedding: the checkpoint keys carry no ".weight".
+        self.predecessor_codebook = nn.Parameter(torch.empty(cfg.vocab_size, cfg.selector_rank))
+        self.successor_codebook = nn.Parameter(torch.empty(cfg.vocab_size, cfg.selector_rank))
+        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+
+    def edge_scores(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B, K, H], logits [B, K, V], anchors [B] -> candidates [B, K, k] and fp32
+        scores [B, K, k, k]: [b, p, i, j] for the edge from the previous position's i-th
+        candidate (the anchor at p = 0, every i) to this position's j-th."""
+        unary, candidates = logits.float().topk(self.top_k, dim=-1, sorted=False)
+        previous = torch.cat([anchors.view(-1, 1, 1).expand(-1, 1, self.top_k),
+                              candidates[:, :-1]], dim=1)
+        h = self.hidden_projection(hidden).float()
+        pred = F.embedding(previous, self.predecessor_codebook).float() * h[:, :, None]
+        succ = F.embedding(candidates, self.successor_codebook).float()
+        return candidates, unary[:, :, None] + pred @ succ.transpose(-1, -2)
+
+
+def walk(candidates: torch.Tensor, scores: torch.Tensor,
+         choose: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The selector's walk: at each position choose(p, edge scores [B, k] from the token taken
+    at p - 1) gives the index of the candidate to take. Returns tokens [B, K]."""
+    num_reqs, k = candidates.shape[0], candidates.shape[-1]
+    index = candidates.new_zeros(num_reqs, 1, 1)
+    tokens = []
+    for p in range(candidates.shape[1]):
+        row = scores[:, p].gather(1, index.expand(-1, 1, k))[:, 0]
+        index = choose(p, row).view(-1, 1, 1)
+        tokens.append(candidates[:, p].gather(1, index[:, 0]))
+    return torch.cat(tokens, dim=1)
 
 
 class DFlashDrafter(nn.Module):
@@ -97,6 +194,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.candidate_selector = CandidateSelector(cfg) if cfg.is_dflash2 else None
         self.scale = cfg.head_dim**-0.5
         # Not a buffer: keeps state_dict() equal to the checkpoint keys, and lets a model built
         # on the meta device get its table on first use.
@@ -139,13 +237,15 @@ class DFlashDrafter(nn.Module):
         return torch.stack([layer.self_attn.k_norm.weight for layer in self.layers])
 
     def forward(
-        self, block_embeds: torch.Tensor, positions: torch.Tensor, attend: Attend
+        self, block_embeds: torch.Tensor, positions: torch.Tensor, attend: Attend,
+        block_len: int | None = None,
     ) -> torch.Tensor:
-        """Block embeddings [Tq, H] at positions [Tq] -> final-normed hidden states [Tq, H]."""
+        """Block embeddings [Tq, H] at positions [Tq] -> final-normed hidden states [Tq, H].
+        block_len: the length of the equal blocks of Tq (DFlash2 convolves along them)."""
         rope = rope_tables(positions, self.rope_cache(block_embeds.device))
         h = block_embeds
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, partial(attend, i))
+            h = layer(h, rope, partial(attend, i), block_len)
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:

@@ -90,6 +90,7 @@ def register() -> None:
     _patch_runner()
     _patch_sampling_params()
     _patch_engine_args()
+    _patch_candidate_draft_check()
     _patch_engine_core()
     _patch_scheduler()
     _patch_cpu_seeded_chunked_prefill()
@@ -190,6 +191,24 @@ def _patch_engine_args() -> None:
         return config
 
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+def _patch_candidate_draft_check() -> None:
+    # vLLM refuses DFlash drafters with a candidate head on the V1 runner, whose proposer would
+    # ignore the head. vllm-dflash's runs a DFlash2 head; other heads stay refused, by
+    # DFlashConfig's check before this one.
+    from vllm.config import VllmConfig
+
+    from vllm_dflash.config import DFLASH2
+
+    is_candidate_draft = VllmConfig._is_dflash_candidate_draft
+
+    def is_unsupported_candidate_draft(self) -> bool:
+        draft = getattr(self.speculative_config, "draft_model_config", None)
+        architectures = set(getattr(draft, "architectures", None) or ())
+        return is_candidate_draft(self) and architectures != {DFLASH2}
+
+    VllmConfig._is_dflash_candidate_draft = is_unsupported_candidate_draft
 
 
 def _select_dflash_method(args) -> None:

@@ -40,7 +40,12 @@ from vllm_dflash.checkpoint import load_drafter
 from vllm_dflash.config import DFlashConfig, DFlashConfigError, validate_against_target
 from vllm_dflash.draft_graphs import DraftGraphs
 from vllm_dflash.draft_policy import StepProfile
-from vllm_dflash.draft_sampling import DraftSampling, draft_sampling, sample_drafts
+from vllm_dflash.draft_sampling import (
+    DraftSampling,
+    draft_sampling,
+    sample_drafts,
+    select_drafts,
+)
 from vllm_dflash.kernels import _compiled
 from vllm_dflash.kernels.argmax import argmax_rows
 from vllm_dflash.kernels.draft_attention import DraftBatch, draft_attention, draft_attention_path
@@ -397,15 +402,21 @@ class DFlashProposer(SpecDecodeBaseProposer):
         hidden = None if self.draft_graphs is None else self.draft_graphs.run(anchor_ids, batch)
         if hidden is None:
             hidden = self.draft_hidden(anchor_ids, batch)
-        tokens, self._last_draft_probs = self.choose_tokens(hidden[:, :num_draft], sampling)
+        tokens, self._last_draft_probs = self.choose_tokens(hidden[:, :num_draft], anchor_ids,
+                                                            sampling)
         return tokens
 
-    def choose_tokens(self, hidden: torch.Tensor, sampling: DraftSampling | None = None
+    def choose_tokens(self, hidden: torch.Tensor, anchor_ids: torch.Tensor,
+                      sampling: DraftSampling | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, k, hidden] -> [B, k] tokens through the target's lm_head, greedy or drawn for
+        """[B, k, hidden] -> [B, k] tokens through the target's lm_head (and a DFlash2
+        drafter's candidate selector, which starts from the anchors [B]), greedy or drawn for
         the requests `sampling` marks, and then their distributions [B, k, V]."""
         num_reqs, k = hidden.shape[:2]
         logits = self.logits(hidden.flatten(0, 1)).view(num_reqs, k, -1)
+        selector = self.drafter.candidate_selector
+        if selector is not None:
+            return select_drafts(selector, hidden, logits, anchor_ids, sampling)
         if sampling is None:
             # Greedy drafts: output_multiplier and softcapping are monotonic, so the argmax of
             # the target's logits is the drafter's argmax.
@@ -421,7 +432,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
         embeds = self.embed(block_ids.flatten())
         if self.dflash_config.input_embedding_scale != 1.0:  # a full pass over the embeddings
             embeds = embeds * self.dflash_config.input_embedding_scale
-        hidden = self.drafter(embeds.to(self.dtype), positions, self.paged_attend(batch))
+        hidden = self.drafter(embeds.to(self.dtype), positions, self.paged_attend(batch),
+                              block_len=self.block_len)
         return hidden.view(num_reqs, self.block_len, -1)[:, 1:]
 
     def paged_attend(self, batch: DraftBatch) -> Attend:
@@ -459,7 +471,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
             sampling = (DraftSampling(anchors.new_ones(num_reqs, dtype=torch.float32),
                                       anchors.new_ones(num_reqs, dtype=torch.bool))
                         if self._enable_probabilistic_draft_probs else None)
-            self.choose_tokens(self.draft_hidden(anchors, batch), sampling)
+            self.choose_tokens(self.draft_hidden(anchors, batch), anchors, sampling)
 
     def uses_cuda_graphs(self) -> bool:
         """Like vLLM's drafters: on CUDA unless the target or the speculative config is eager.

@@ -113,7 +113,9 @@ def random_drafter(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> DFlashDrafter:
-    """Drafter with normal(0, 0.02) weights, unit norms and zero biases (non-degenerate).
+    """Drafter with normal(0, 0.02) weights, unit norms and zero biases (non-degenerate); a
+    DFlash2 drafter's convolutions start near the identity and its codebooks at normal(0, 1), so
+    that the selector's edges can overrule the logits' order.
 
     Drawn where it lives: the ~1B parameters of a Qwen3-8B drafter take seconds on a GPU and
     far longer through a host-side init.
@@ -128,8 +130,12 @@ def random_drafter(
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()
+            elif name.endswith("codebook"):
+                param.normal_(0.0, 1.0, generator=generator)
             else:
                 param.normal_(0.0, 0.02, generator=generator)
+            if name.endswith("base_kernel"):
+                param[:, 0] += 1.0
     return drafter
 
 
@@ -150,9 +156,11 @@ def write_random_drafter(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     seed: int = 0,
+    dflash2: dict[str, int] | None = None,
 ) -> DFlashConfig:
     """Random DFlash drafter for the target in target_dir (same hidden size, head_dim 64); of a
-    multimodal target, for its language model (`text_config`)."""
+    multimodal target, for its language model (`text_config`). dflash2: the DFlash2 keys
+    (conv_kernel_size, conv_group_size, selector_rank, selector_top_k) for a DFlash2 drafter."""
     target_dir = Path(target_dir)
     target = json.loads((target_dir / "config.json").read_text())
     target = {"dtype": target.get("dtype"), **target.get("text_config", target)}
@@ -177,6 +185,7 @@ def write_random_drafter(
         target_layer_ids=target_layer_ids
         or spread_layer_ids(target["num_hidden_layers"], num_layers),
         num_target_layers=target["num_hidden_layers"],
+        **(dflash2 or {}),
     )
     drafter = random_drafter(cfg, seed).to(resolve_dtype(target["dtype"] or "float32"))
     save_drafter(drafter, out_dir)
