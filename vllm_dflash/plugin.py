@@ -90,7 +90,7 @@ def register() -> None:
     _patch_runner()
     _patch_sampling_params()
     _patch_engine_args()
-    _patch_candidate_draft_check()
+    _patch_v1_draft_checks()
     _patch_engine_core()
     _patch_scheduler()
     _patch_cpu_seeded_chunked_prefill()
@@ -193,10 +193,12 @@ def _patch_engine_args() -> None:
     EngineArgs.create_speculative_config = create_speculative_config
 
 
-def _patch_candidate_draft_check() -> None:
-    # vLLM refuses DFlash drafters with a candidate head on the V1 runner, whose proposer would
-    # ignore the head. vllm-dflash's runs a DFlash2 head; other heads stay refused, by
-    # DFlashConfig's check before this one.
+def _patch_v1_draft_checks() -> None:
+    # vLLM refuses two kinds of DFlash drafter on the V1 runner, where its own proposer cannot
+    # run them: mixed sliding/full layers (it would need a KV cache group per kind) and
+    # candidate heads (it would ignore the head). vllm-dflash keeps every draft layer in one
+    # group (a sliding layer masks by its window) and runs a DFlash2 head; other heads stay
+    # refused, by DFlashConfig's check before these.
     from vllm.config import VllmConfig
 
     from vllm_dflash.config import DFLASH2
@@ -209,6 +211,7 @@ def _patch_candidate_draft_check() -> None:
         return is_candidate_draft(self) and architectures != {DFLASH2}
 
     VllmConfig._is_dflash_candidate_draft = is_unsupported_candidate_draft
+    VllmConfig._dflash_needs_multi_kv_group = lambda self: False
 
 
 def _select_dflash_method(args) -> None:

@@ -156,10 +156,12 @@ def write_random_drafter(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     seed: int = 0,
+    sliding: tuple[list[str], int] | None = None,
     dflash2: dict[str, int] | None = None,
 ) -> DFlashConfig:
     """Random DFlash drafter for the target in target_dir (same hidden size, head_dim 64); of a
-    multimodal target, for its language model (`text_config`). dflash2: the DFlash2 keys
+    multimodal target, for its language model (`text_config`). sliding: (layer_types,
+    sliding_window) for sliding-window layers. dflash2: the DFlash2 keys
     (conv_kernel_size, conv_group_size, selector_rank, selector_top_k) for a DFlash2 drafter."""
     target_dir = Path(target_dir)
     target = json.loads((target_dir / "config.json").read_text())
@@ -178,8 +180,8 @@ def write_random_drafter(
         rope_theta=target["rope_parameters"]["rope_theta"],
         max_position_embeddings=target["max_position_embeddings"],
         vocab_size=target["vocab_size"],
-        layer_types=["full_attention"] * num_layers,
-        sliding_window=None,
+        layer_types=sliding[0] if sliding else ["full_attention"] * num_layers,
+        sliding_window=sliding[1] if sliding else None,
         block_size=block_size,
         mask_token_id=mask_id,
         target_layer_ids=target_layer_ids
