@@ -123,21 +123,21 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, rope: RopeTables, attend: LayerAttend,
                 block_len: int | None = None) -> torch.Tensor:
         """block_len: the length of the equal blocks h holds; DFlash2 layers need it."""
-        h = h + self._around(self.attention_conv, partial(self.self_attn, rope=rope,
-                                                          attend=attend),
-                             self.input_layernorm(h), block_len)
-        return h + self._around(self.mlp_conv, self.mlp, self.post_attention_layernorm(h),
-                                block_len)
+        attention = partial(self.self_attn, rope=rope, attend=attend)
+        h = h + convolved(self.attention_conv, attention, self.input_layernorm(h), block_len)
+        return h + convolved(self.mlp_conv, self.mlp, self.post_attention_layernorm(h),
+                             block_len)
 
-    @staticmethod
-    def _around(conv: "GroupedConv | None", sublayer: Callable[[torch.Tensor], torch.Tensor],
-                x: torch.Tensor, block_len: int | None) -> torch.Tensor:
-        if conv is None:
-            return sublayer(x)
-        if block_len is None:
-            raise ValueError("a DFlash2 drafter's forward needs block_len")
-        x, dynamic = conv.prepare(x, block_len)
-        return conv.finish(sublayer(x), dynamic, block_len)
+
+def convolved(conv: GroupedConv | None, sublayer: Callable[[torch.Tensor], torch.Tensor],
+              x: torch.Tensor, block_len: int | None) -> torch.Tensor:
+    """sublayer(x), between conv's two convolutions where the layer has them (DFlash2)."""
+    if conv is None:
+        return sublayer(x)
+    if block_len is None:
+        raise ValueError("a DFlash2 drafter's forward needs block_len")
+    x, dynamic = conv.prepare(x, block_len)
+    return conv.finish(sublayer(x), dynamic, block_len)
 
 
 class CandidateSelector(nn.Module):
