@@ -10,7 +10,8 @@
     verify_sampled   verify() at temperature > 0: argmax, random draws, rejection walk (the
                      softmax before it is not counted). Paths: reference, triton
     drafter_step     one block of --draft-block-size tokens per request: embed -> DFlashDrafter
-                     (random weights, paged draft attention) -> lm_head argmax over --vocab.
+                     (random weights, paged draft attention) -> lm_head argmax over --vocab
+                     (with --dflash2: the candidate selector's greedy walk).
                      Paths: the attention used (torch, triton) and, with --cuda-graph, the triton
                      step captured in a CUDA graph per batch size, checked token for token
                      against eager
@@ -39,8 +40,9 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from vllm_dflash.config import DFlashConfig
+from vllm_dflash.config import DFLASH2_KEYS, DFlashConfig
 from vllm_dflash.draft_graphs import DraftGraphs
+from vllm_dflash.draft_sampling import select_drafts
 from vllm_dflash.kernels import _compiled
 from vllm_dflash.kernels.draft_attention import (
     DraftBatch,
@@ -110,6 +112,7 @@ def drafter_config(args: argparse.Namespace) -> DFlashConfig:
         sliding_window=window, block_size=args.draft_block_size, mask_token_id=MASK_TOKEN_ID,
         target_layer_ids=list(range(args.features)), num_target_layers=args.features + 2,
         causal=args.causal,
+        **dict(zip(DFLASH2_KEYS, args.dflash2 or (), strict=False)),
     )
 
 
@@ -247,8 +250,11 @@ def draft_step(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head: torc
 
     hidden = drafter(F.embedding(block_ids.flatten(), embed_weight), positions, attend,
                      block_len=cfg.block_size)
-    hidden = hidden.view(num_reqs, cfg.block_size, -1)[:, 1:].flatten(0, 1)
-    return F.linear(hidden, lm_head).max(dim=-1).indices.view(num_reqs, -1)
+    hidden = hidden.view(num_reqs, cfg.block_size, -1)[:, 1:]
+    logits = F.linear(hidden, lm_head)
+    if drafter.candidate_selector is None:
+        return logits.max(dim=-1).indices
+    return select_drafts(drafter.candidate_selector, hidden, logits, anchors, None)[0]
 
 
 def bench_drafter_step(args: argparse.Namespace, drafter: DFlashDrafter,
@@ -332,6 +338,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=7,
                         help="tokens injected per request and step (accepted + bonus)")
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--dflash2", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                        metavar="TAPS,GROUP,RANK,TOP_K",
+                        help="a DFlash2 drafter: conv_kernel_size, conv_group_size, "
+                             "selector_rank, selector_top_k")
     parser.add_argument("--sliding-window", type=int, default=None)
     parser.add_argument("--cuda-graph", action="store_true",
                         help="also replay the drafter step from a CUDA graph (CUDA only)")
@@ -352,6 +362,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--cuda-graph needs a CUDA device")
     if args.profile and not args.cuda_graph:
         parser.error("--profile needs --cuda-graph")
+    if args.dflash2 is not None and len(args.dflash2) != len(DFLASH2_KEYS):
+        parser.error(f"--dflash2 takes {len(DFLASH2_KEYS)} integers: TAPS,GROUP,RANK,TOP_K")
     for name, value in (GPU_SHAPES if on_gpu else CPU_SHAPES).items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -42,9 +42,10 @@ def gpu_check():
     return module
 
 
-def test_kernels_benchmark_rows_on_cpu(tmp_path: Path) -> None:
+@pytest.mark.parametrize("drafter", [[], ["--dflash2", "2,16,8,4"]], ids=["dflash", "dflash2"])
+def test_kernels_benchmark_rows_on_cpu(drafter: list[str], tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
-    proc = _run_bench(*TINY_BENCH, "--json", str(out))
+    proc = _run_bench(*TINY_BENCH, *drafter, "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert {(r["what"], r["path"]) for r in rows} == CPU_ROWS
@@ -62,6 +63,11 @@ def test_kernels_benchmark_rows_on_cpu(tmp_path: Path) -> None:
 def test_kernels_benchmark_cuda_graph_needs_cuda() -> None:
     proc = _run_bench("--cuda-graph", *TINY_BENCH)
     assert proc.returncode == 2 and "--cuda-graph needs a CUDA device" in proc.stderr
+
+
+def test_kernels_benchmark_dflash2_takes_four_numbers() -> None:
+    proc = _run_bench("--dflash2", "2,16", *TINY_BENCH)
+    assert proc.returncode == 2 and "--dflash2 takes 4 integers" in proc.stderr
 
 
 def test_parity_checks_pass_on_cpu(gpu_check) -> None:
