@@ -12,7 +12,8 @@ Steps, each in a subprocess with its own time limit, in this order:
             (torch, triton) and KV injection (torch, triton, cuda) within dtype tolerance,
             verification (triton) bit for bit, greedy verification against a plain walk
   bench     benchmarks/kernels.py at Qwen3-8B / DFlash-b16 shapes, batches 1, 8, 64, with
-            --cuda-graph (fails when a graph's draft tokens differ from eager's)
+            --cuda-graph (fails when a graph's draft tokens differ from eager's); then the
+            drafter step of a DFlash2 drafter of those shapes at batches 1 and 64
   pytest    tests/test_kernels.py tests/test_verify.py
   e2e       only where `import vllm` works: a random-weight target of Qwen3-8B widths
             (--e2e-target-layers deep) and a DFlash-b16-shaped drafter, written locally;
@@ -67,6 +68,9 @@ STEP_LIMITS_S = {"versions": 120, "build": 300, "parity": 180, "bench": 240, "py
                  "e2e": 600}
 OK, FAILED, SKIPPED = "ok", "FAIL", "skipped"
 E2E_BATCHES = (1, 16)
+# conv_kernel_size, conv_group_size, selector_rank, selector_top_k of the DFlash2 step costs
+# (assumed values: no trained DFlash2 checkpoint was at hand).
+DFLASH2_BENCH = "4,128,64,8"
 
 
 # ---------------------------------------------------------------------------- kernel parity
@@ -555,7 +559,11 @@ def step_bench(runner: Runner, args: argparse.Namespace) -> Result:
     cmd = [sys.executable, "benchmarks/kernels.py", "--batches", "1,8,64", "--cuda-graph",
            "--json", str(runner.out_dir / "kernels.json")]
     rc, _ = runner.run("bench", cmd, STEP_LIMITS_S["bench"], tail=60)
-    status, detail = _status(rc, f"step costs in {runner.out_dir / 'kernels.json'}")
+    if rc == 0:  # the drafter step of a DFlash2 drafter, its selector inside the graph too
+        cmd = [sys.executable, "benchmarks/kernels.py", "--batches", "1,64", "--cuda-graph",
+               "--dflash2", DFLASH2_BENCH, "--json", str(runner.out_dir / "kernels-dflash2.json")]
+        rc, _ = runner.run("bench-dflash2", cmd, STEP_LIMITS_S["bench"], tail=8)
+    status, detail = _status(rc, f"step costs in {runner.out_dir / 'kernels*.json'}")
     return Result("bench", status, detail, time.monotonic() - start)
 
 
