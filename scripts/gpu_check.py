@@ -12,8 +12,8 @@ Steps, each in a subprocess with its own time limit, in this order:
             (torch, triton) and KV injection (torch, triton, cuda) within dtype tolerance,
             verification (triton) bit for bit, greedy verification against a plain walk
   bench     benchmarks/kernels.py at Qwen3-8B / DFlash-b16 shapes, batches 1, 8, 64, with
-            --cuda-graph --profile (fails when a graph's draft tokens differ from eager's); then the
-            drafter step of a DFlash2 drafter of those shapes at batches 1 and 64
+            --cuda-graph --profile (fails when a graph's draft tokens differ from eager's);
+            then the drafter step of a DFlash2 drafter of those shapes at batches 1 and 64
   pytest    tests/test_kernels.py tests/test_verify.py, but for their interpreted Triton checks
   e2e       only where `import vllm` works: a random-weight target of Qwen3-8B widths
             (--e2e-target-layers deep) and a DFlash-b16-shaped drafter, written locally;
