@@ -19,14 +19,16 @@ from vllm_dflash.train.blocks import (
     default_gamma,
     loss_weights,
     sample_anchors,
+    selector_loss,
 )
 from vllm_dflash.train.data import load_examples
 from vllm_dflash.train.evaluate import speculative_greedy
 from vllm_dflash.train.features import load_target
-from vllm_dflash.train.forward import draft_logits
+from vllm_dflash.train.forward import draft_pass
 from vllm_dflash.train.trainer import TrainConfig, Trainer, config_from_args, drafter_config
 
 TEXT = (Path(os.__file__).parent / "textwrap.py").read_text()
+DFLASH2 = [2, 32, 8, 4]  # taps, channels per group, selector rank, candidates
 
 
 @pytest.fixture(scope="module")
@@ -75,19 +77,19 @@ def test_packed_blocks_equal_one_block_at_a_time(drafter, target):
     weights = (target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     anchors = torch.tensor([5, 9, 20, 31])
     block_ids, positions, _ = block_inputs(ids, anchors, B, drafter.cfg.mask_token_id)
-    packed = draft_logits(
+    packed = draft_pass(
         drafter, features, block_ids, positions, block_mask(anchors, B, L), *weights
-    )
+    )[1]
     for a, p in enumerate(anchors.tolist()):
         one = slice(a * B, (a + 1) * B)
-        alone = draft_logits(
+        alone = draft_pass(
             drafter,
             features[:p],
             block_ids[one],
             positions[one],
             torch.ones(B, p + B, dtype=torch.bool),
             *weights,
-        )
+        )[1]
         torch.testing.assert_close(packed[one], alone, atol=1e-5, rtol=1e-4)
 
 
@@ -154,7 +156,16 @@ def test_load_examples(target_dir, tmp_path):
     assert joined == tok(TEXT[:3000])["input_ids"][: len(joined)]  # a tail without response goes
 
 
-def test_speculative_greedy_equals_greedy_decoding(drafter, target):
+@pytest.fixture(scope="module")
+def dflash2_drafter(target_dir, target):
+    cfg = TrainConfig(target=str(target_dir), data="", out="", layers=2, target_layer_ids=[1, 2],
+                      dflash2=DFLASH2)
+    return random_drafter(drafter_config(cfg, target, target.config.vocab_size - 1), seed=1)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_speculative_greedy_equals_greedy_decoding(kind, drafter, dflash2_drafter, target):
+    drafter = drafter if kind == "dflash" else dflash2_drafter
     prompt = torch.randint(2, 500, (12,)).tolist()
     ids, lengths = speculative_greedy(drafter, target, prompt, max_new_tokens=20)
     reference = target.generate(
@@ -262,3 +273,47 @@ def test_training_without_responses_fails_clearly(target_dir, tmp_path):
     cfg = config_from_args(build_parser().parse_args(argv + ["--no-regenerate"]))
     with pytest.raises(ValueError, match="no training sequence has a response"):
         Trainer(cfg)
+
+
+def test_selector_loss_is_teacher_forced_ce_over_candidates(dflash2_drafter):
+    selector = dflash2_drafter.candidate_selector
+    B, H, V = 4, dflash2_drafter.cfg.hidden_size, 512
+    gen = torch.Generator().manual_seed(0)
+    hidden, logits = torch.randn(2 * B, H, generator=gen), torch.randn(2 * B, V, generator=gen)
+    block_ids = torch.tensor([11, 1, 1, 1, 22, 1, 1, 1])
+    labels = torch.tensor([-100, 5, 6, 7, -100, 8, 9, 10])
+    logits[1, 5] = 50.0  # the first position's truth is a candidate; the others are not
+    weights = loss_weights(B, 2.0)
+    loss = selector_loss(selector, hidden, logits, block_ids, labels, weights)
+    terms, previous = [], {1: 11, 2: 5, 3: 6, 5: 22, 6: 8, 7: 9}
+    for row, prev in previous.items():
+        truth = int(labels[row])
+        candidates = logits[row].topk(selector.top_k).indices
+        if truth not in candidates.tolist():
+            candidates[-1] = truth
+        scores = selector.scores(hidden[row], torch.tensor([prev]), candidates,
+                                 logits[row, candidates])[0]
+        ce = torch.nn.functional.cross_entropy(scores, (candidates == truth).int().argmax())
+        terms.append(weights[row % B - 1] * ce)
+    torch.testing.assert_close(loss, torch.stack(terms).sum() / (2 * weights.sum()))
+
+
+def test_train_dflash2_loss_falls_and_checkpoint_loads(target_dir, tmp_path):
+    from dflash.model import DFlash2DraftModel
+
+    argv = train_argv(target_dir, tmp_path, epochs=4) + ["--dflash2", "2,32,8,4"]
+    cfg = config_from_args(build_parser().parse_args(argv))
+    stats = Trainer(cfg).run()
+    losses = [h["loss"] for h in stats["history"]]
+    assert losses[-1] < losses[0] - 0.2, losses
+    drafter = load_drafter(cfg.out, torch.float32)
+    assert drafter.cfg.is_dflash2 and drafter.cfg.selector_top_k == 4
+    reference, info = DFlash2DraftModel.from_pretrained(cfg.out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    torch.testing.assert_close(reference.candidate_selector.predecessor_codebook.weight.float(),
+                               drafter.candidate_selector.predecessor_codebook)
+
+
+def test_dflash2_option_takes_four_numbers(target_dir, tmp_path):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(train_argv(target_dir, tmp_path, 1) + ["--dflash2", "2,32"])

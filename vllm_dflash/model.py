@@ -153,6 +153,15 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.empty(cfg.vocab_size, cfg.selector_rank))
         self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
 
+    def scores(self, hidden: torch.Tensor, previous: torch.Tensor, candidates: torch.Tensor,
+               unary: torch.Tensor) -> torch.Tensor:
+        """fp32 scores [..., P, C] of the edges from tokens previous [..., P] to candidates
+        [..., C] whose logits are unary [..., C], at hidden states [..., H]."""
+        h = self.hidden_projection(hidden).float()
+        pred = F.embedding(previous, self.predecessor_codebook).float() * h[..., None, :]
+        succ = F.embedding(candidates, self.successor_codebook).float()
+        return unary.float()[..., None, :] + pred @ succ.transpose(-1, -2)
+
     def edge_scores(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B, K, H], logits [B, K, V], anchors [B] -> candidates [B, K, k] and fp32
@@ -161,10 +170,7 @@ class CandidateSelector(nn.Module):
         unary, candidates = logits.float().topk(self.top_k, dim=-1, sorted=False)
         previous = torch.cat([anchors.view(-1, 1, 1).expand(-1, 1, self.top_k),
                               candidates[:, :-1]], dim=1)
-        h = self.hidden_projection(hidden).float()
-        pred = F.embedding(previous, self.predecessor_codebook).float() * h[:, :, None]
-        succ = F.embedding(candidates, self.successor_codebook).float()
-        return candidates, unary[:, :, None] + pred @ succ.transpose(-1, -2)
+        return candidates, self.scores(hidden, previous, candidates, unary)
 
 
 def walk(candidates: torch.Tensor, scores: torch.Tensor,

@@ -9,6 +9,8 @@ each block sees the context features at positions < p and its own B positions
 import torch
 import torch.nn.functional as F
 
+from vllm_dflash.model import CandidateSelector
+
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
@@ -68,4 +70,28 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
         .to(logits.device)
         .repeat(len(labels) // block_size)
     )
+    return (per_token * w).sum() / w.sum()
+
+
+def selector_loss(selector: CandidateSelector, hidden: torch.Tensor, logits: torch.Tensor,
+                  block_ids: torch.Tensor, labels: torch.Tensor,
+                  weights: torch.Tensor) -> torch.Tensor:
+    """A DFlash2 candidate selector's loss, teacher-forced: at each mask position the edges
+    from the true previous token (the anchor at the first) must pick the true token among the
+    position's top_k candidates by logit (the true token replacing the last one when missing).
+    Cross-entropy over those edges, weighted like block_loss. Inputs are flat over blocks."""
+    block_size = len(weights) + 1
+    hidden = hidden.view(-1, block_size, hidden.shape[-1])[:, 1:]
+    logits = logits.view(-1, block_size, logits.shape[-1])[:, 1:]
+    truth = labels.view(-1, block_size)[:, 1:].to(logits.device)
+    previous = torch.cat([block_ids.view(-1, block_size)[:, :1].to(logits.device),
+                          truth[:, :-1]], dim=1)
+    candidates = logits.detach().topk(selector.top_k, dim=-1).indices
+    missing = ~(candidates == truth[..., None]).any(dim=-1)
+    candidates[..., -1] = torch.where(missing, truth, candidates[..., -1])
+    scores = selector.scores(hidden, previous[..., None], candidates,
+                             logits.gather(-1, candidates))[..., 0, :]
+    target = (candidates == truth[..., None]).int().argmax(dim=-1)
+    per_token = F.cross_entropy(scores.flatten(0, 1), target.flatten(), reduction="none")
+    w = weights.to(logits.device).repeat(len(truth))
     return (per_token * w).sum() / w.sum()

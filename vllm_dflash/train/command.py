@@ -12,6 +12,13 @@ def layer_ids(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
+def dflash2_keys(text: str) -> list[int]:
+    values = [int(x) for x in text.split(",")]
+    if len(values) != 4:
+        raise argparse.ArgumentTypeError("takes 4 integers: TAPS,GROUP,RANK,TOP_K")
+    return values
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train",
@@ -34,6 +41,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=layer_ids,
         default=d.target_layer_ids,
         help="comma-separated target layers to read; None: spread over the target",
+    )
+    p.add_argument(
+        "--dflash2",
+        type=dflash2_keys,
+        default=d.dflash2,
+        metavar="TAPS,GROUP,RANK,TOP_K",
+        help="a DFlash2 drafter: conv_kernel_size, conv_group_size, selector_rank, "
+        "selector_top_k (its selector trains teacher-forced beside the block loss)",
     )
     p.add_argument(
         "--mask-token-id",

@@ -9,9 +9,10 @@ tokens are exactly the target's greedy ones; tau is the mean of accepted + 1 ove
 import torch
 from transformers import PreTrainedModel
 
+from vllm_dflash.draft_sampling import select_drafts
 from vllm_dflash.model import DFlashDrafter
 from vllm_dflash.train.features import target_features
-from vllm_dflash.train.forward import draft_logits
+from vllm_dflash.train.forward import draft_pass
 
 
 def draft_block(
@@ -23,7 +24,7 @@ def draft_block(
     block_ids = torch.tensor([anchor] + [cfg.mask_token_id] * (cfg.block_size - 1), device=device)
     positions = torch.arange(position, position + cfg.block_size, device=device)
     mask = torch.ones(cfg.block_size, position + cfg.block_size, dtype=torch.bool, device=device)
-    logits = draft_logits(
+    hidden, logits = draft_pass(
         drafter,
         features,
         block_ids,
@@ -32,7 +33,11 @@ def draft_block(
         target.get_input_embeddings().weight,
         target.get_output_embeddings().weight,
     )
-    return logits[1:].argmax(-1).tolist()
+    if drafter.candidate_selector is None:
+        return logits[1:].argmax(-1).tolist()
+    drafts, _ = select_drafts(drafter.candidate_selector, hidden[None, 1:], logits[None, 1:],
+                              block_ids[:1], None)
+    return drafts[0].tolist()
 
 
 def speculative_greedy(

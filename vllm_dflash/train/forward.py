@@ -5,7 +5,7 @@ import torch
 from vllm_dflash.model import DFlashDrafter, dense_attend
 
 
-def draft_logits(
+def draft_pass(
     drafter: DFlashDrafter,
     features: torch.Tensor,
     block_ids: torch.Tensor,
@@ -13,8 +13,9 @@ def draft_logits(
     mask: torch.Tensor,
     embed_weight: torch.Tensor,
     lm_head_weight: torch.Tensor,
-) -> torch.Tensor:
-    """Logits [Tq, V] of block tokens at positions, attending per mask [Tq, Tc + Tq].
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states [Tq, H] and logits [Tq, V] of block tokens at positions, attending per
+    mask [Tq, Tc + Tq]; Tq holds equal blocks of the drafter's block_size.
 
     features [Tc, K*H] are the target's features of positions 0 .. Tc-1 (the context). Inputs
     are cast to the drafter's dtype (a drafter may train in fp32 against a bf16 target).
@@ -23,5 +24,6 @@ def draft_logits(
     context = drafter.fuse(features.to(dtype))
     context_kv = drafter.context_kv(context, torch.arange(len(features), device=features.device))
     attend = dense_attend(context_kv, mask, drafter.scale)
-    hidden = drafter(drafter.embed(block_ids, embed_weight.to(dtype)), positions, attend)
-    return drafter.logits(hidden, lm_head_weight.to(dtype))
+    hidden = drafter(drafter.embed(block_ids, embed_weight.to(dtype)), positions, attend,
+                     block_len=drafter.cfg.block_size)
+    return hidden, drafter.logits(hidden, lm_head_weight.to(dtype))

@@ -19,7 +19,12 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from vllm_dflash.checkpoint import save_drafter
-from vllm_dflash.config import DFlashConfig, default_target_layer_ids, resolve_dtype
+from vllm_dflash.config import (
+    DFLASH2_KEYS,
+    DFlashConfig,
+    default_target_layer_ids,
+    resolve_dtype,
+)
 from vllm_dflash.model import DFlashDrafter
 from vllm_dflash.tiny import MASK_TOKEN, random_drafter
 from vllm_dflash.train.blocks import (
@@ -29,11 +34,12 @@ from vllm_dflash.train.blocks import (
     default_gamma,
     loss_weights,
     sample_anchors,
+    selector_loss,
 )
 from vllm_dflash.train.data import Example, load_examples
 from vllm_dflash.train.evaluate import mean_acceptance_length
 from vllm_dflash.train.features import FeatureStore, load_target, target_features
-from vllm_dflash.train.forward import draft_logits
+from vllm_dflash.train.forward import draft_pass
 from vllm_dflash.train.progress import progress_bar
 from vllm_dflash.train.regenerate import regenerate
 
@@ -70,6 +76,8 @@ class TrainConfig:
     eval_data: str | None = None
     eval_max_new_tokens: int = 64
     seed: int = 0
+    # conv_kernel_size, conv_group_size, selector_rank, selector_top_k: a DFlash2 drafter.
+    dflash2: list[int] | None = None
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -184,6 +192,7 @@ def drafter_config(cfg: TrainConfig, target: PreTrainedModel, mask_id: int) -> D
         mask_token_id=mask_id,
         target_layer_ids=list(layer_ids),
         num_target_layers=t.num_hidden_layers,
+        **dict(zip(DFLASH2_KEYS, cfg.dflash2 or (), strict=False)),
     )
 
 
@@ -216,11 +225,15 @@ def sequence_loss(
     ids = torch.tensor(seq.token_ids)
     block_ids, positions, labels = block_inputs(ids, anchors, B, drafter.cfg.mask_token_id)
     mask = block_mask(anchors, B, len(ids))
-    logits = draft_logits(
+    hidden, logits = draft_pass(
         drafter, features, block_ids.to(device), positions.to(device), mask.to(device), *frozen
     )
     weights = loss_weights(B, cfg.gamma or default_gamma(B))
-    return block_loss(logits, labels.to(device), weights), len(block_ids)
+    loss = block_loss(logits, labels.to(device), weights)
+    if drafter.candidate_selector is not None:
+        loss = loss + selector_loss(drafter.candidate_selector, hidden, logits, block_ids,
+                                    labels, weights)
+    return loss, len(block_ids)
 
 
 class Trainer:
