@@ -39,6 +39,9 @@ class Pair:
 TRAINED_DIR = Path(__file__).parent / "fixtures" / "pair"
 # The committed pair built by examples/build_tiny_pair.py: its drafts are really accepted.
 TRAINED = Pair(target=TRAINED_DIR / "target", drafter=TRAINED_DIR / "drafter", block_size=8)
+# A DFlash2 drafter for the same target, trained on the same data (pair.json: drafter_dflash2).
+TRAINED_DFLASH2 = Pair(target=TRAINED_DIR / "target",
+                       drafter=TRAINED_DIR / "drafter-dflash2", block_size=8)
 
 
 def heldout_texts(count: int | None = None) -> list[str]:

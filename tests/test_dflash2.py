@@ -156,7 +156,7 @@ def test_sampled_drafts_carry_their_walks_distribution(make_config) -> None:
     tokens, probs = select_drafts(selector, hidden, logits, anchors,
                                   DraftSampling(temperature, sampled))
     candidates, scores = selector.edge_scores(hidden, logits, anchors)
-    greedy = walk(candidates, scores, lambda p, row: row.argmax(dim=-1))
+    greedy = walk(candidates, scores.argmax(dim=-1))[0]
     torch.testing.assert_close(probs.sum(dim=-1), torch.ones(tokens.shape))
     for b in range(4):
         if not sampled[b]:

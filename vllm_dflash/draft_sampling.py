@@ -64,22 +64,20 @@ def select_drafts(selector: CandidateSelector, hidden: torch.Tensor, logits: tor
     / T) over that position's candidates. -> tokens [B, K] and, when sampling, q [B, K, V]
     (zero outside the candidates; one-hot for the other requests)."""
     candidates, scores = selector.edge_scores(hidden, logits, anchors)
+    greedy = scores.argmax(dim=-1)
     if sampling is None:
-        return walk(candidates, scores, lambda p, row: row.argmax(dim=-1)), None
-    sampled = sampling.sampled
-    temperature = torch.where(sampled, sampling.temperature, 1.0).float()[:, None]
-    q_rows = []
-
-    def choose(p: int, row: torch.Tensor) -> torch.Tensor:
-        q = (row / temperature).softmax(dim=-1)
-        q_rows.append(q)
-        race = exponential_(torch.empty_like(q)).reciprocal_().mul_(q)  # argmax ~ q
-        return torch.where(sampled, race.argmax(dim=-1), row.argmax(dim=-1))
-
-    tokens = walk(candidates, scores, choose)
-    q = torch.stack(q_rows, dim=1).masked_fill_(~sampled[:, None, None], 0.0)
+        return walk(candidates, greedy)[0], None
+    sampled = sampling.sampled[:, None, None]
+    temperature = torch.where(sampling.sampled, sampling.temperature, 1.0).float()
+    # One draw for every edge row, though the walk reads only the rows it takes: those are
+    # independent draws from their q.
+    q = (scores / temperature[:, None, None, None]).softmax(dim=-1)
+    race = exponential_(torch.empty_like(q)).reciprocal_().mul_(q)  # argmax ~ q
+    tokens, rows = walk(candidates, torch.where(sampled, race.argmax(dim=-1), greedy))
+    k = candidates.shape[-1]
+    q_taken = q.gather(2, rows[..., None, None].expand(-1, -1, 1, k))[:, :, 0]
     probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-    probs.scatter_(-1, candidates, q)
+    probs.scatter_(-1, candidates, q_taken.masked_fill_(~sampled, 0.0))
     q_of_token = probs.gather(-1, tokens[..., None])
-    probs.scatter_(-1, tokens[..., None], torch.where(sampled[:, None, None], q_of_token, 1.0))
+    probs.scatter_(-1, tokens[..., None], torch.where(sampled, q_of_token, 1.0))
     return tokens, probs

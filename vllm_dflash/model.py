@@ -78,15 +78,14 @@ def grouped_causal_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tens
     dynamic [T, taps, G] is one coefficient per channel group (H / G channels); base
     [taps, H]."""
     taps, groups = dynamic.shape[1:]
-    blocks = x.view(-1, block_len, x.shape[-1])
-    dynamic = dynamic.view(-1, block_len, taps, groups, 1)
-    shape = blocks.shape[:2] + (groups, -1)
-    out = torch.zeros_like(blocks)
-    for o in range(min(taps, block_len)):
-        shifted = F.pad(blocks[:, :block_len - o], (0, 0, o, 0))
-        grouped = (dynamic[:, :, o] * shifted.view(shape)).view_as(blocks)
-        out += base[o].to(x.dtype) * shifted + grouped
-    return out.view_as(x)
+    hidden = x.shape[-1]
+    blocks = F.pad(x.view(-1, block_len, hidden), (0, 0, taps - 1, 0))
+    # [N, L, H, taps]: [..., o] = x[t - o] (unfold's windows run forward in time)
+    windows = blocks.unfold(1, taps, 1).flip(-1)
+    per_channel = dynamic.view(-1, block_len, taps, groups, 1).expand(-1, -1, -1, -1,
+                                                                     hidden // groups)
+    kernel = per_channel.reshape(-1, block_len, taps, hidden) + base.to(x.dtype)
+    return torch.einsum("nlho,nloh->nlh", windows, kernel).reshape_as(x)
 
 
 class GroupedConv(nn.Module):
@@ -173,18 +172,18 @@ class CandidateSelector(nn.Module):
         return candidates, self.scores(hidden, previous, candidates, unary)
 
 
-def walk(candidates: torch.Tensor, scores: torch.Tensor,
-         choose: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """The selector's walk: at each position choose(p, edge scores [B, k] from the token taken
-    at p - 1) gives the index of the candidate to take. Returns tokens [B, K]."""
-    num_reqs, k = candidates.shape[0], candidates.shape[-1]
-    index = candidates.new_zeros(num_reqs, 1, 1)
-    tokens = []
+def walk(candidates: torch.Tensor, next_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selector's walk from the anchor: next_index [B, K, k] names, for each position p and
+    candidate i taken at p - 1 (row 0 at p = 0), the candidate to take at p. Returns the tokens
+    [B, K] and the rows [B, K] it took them from (the index taken at p - 1)."""
+    index = candidates.new_zeros(candidates.shape[0], 1)
+    rows, taken = [], []
     for p in range(candidates.shape[1]):
-        row = scores[:, p].gather(1, index.expand(-1, 1, k))[:, 0]
-        index = choose(p, row).view(-1, 1, 1)
-        tokens.append(candidates[:, p].gather(1, index[:, 0]))
-    return torch.cat(tokens, dim=1)
+        rows.append(index)
+        index = next_index[:, p].gather(1, index)
+        taken.append(index)
+    tokens = candidates.gather(2, torch.cat(taken, dim=1)[..., None])[..., 0]
+    return tokens, torch.cat(rows, dim=1)
 
 
 class DFlashDrafter(nn.Module):
