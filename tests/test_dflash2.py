@@ -150,6 +150,7 @@ def selector_inputs(make_config, num_reqs: int = 4, k: int = 5):
 def test_sampled_drafts_carry_their_walks_distribution(make_config) -> None:
     """q at each position is softmax(edge scores from the token taken before / T) over the
     candidates, zero elsewhere; greedy rows take the greedy walk with one-hot q."""
+    torch.manual_seed(0)  # the draws
     selector, hidden, logits, anchors = selector_inputs(make_config)
     temperature = torch.tensor([0.7, 1.0, 1.5, 1.0])
     sampled = torch.tensor([True, True, True, False])
@@ -174,6 +175,7 @@ def test_sampled_drafts_carry_their_walks_distribution(make_config) -> None:
 @torch.inference_mode()
 def test_sampled_first_draft_follows_q(make_config) -> None:
     """The first position's draws over 4000 walks match its q (chi-square)."""
+    torch.manual_seed(0)  # the draws
     selector, hidden, logits, anchors = selector_inputs(make_config, num_reqs=1)
     sampling = DraftSampling(torch.tensor([1.0]), torch.tensor([True]))
     _, probs = select_drafts(selector, hidden, logits, anchors, sampling)

@@ -79,13 +79,14 @@ def grouped_causal_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tens
     [taps, H]."""
     taps, groups = dynamic.shape[1:]
     hidden = x.shape[-1]
-    blocks = F.pad(x.view(-1, block_len, hidden), (0, 0, taps - 1, 0))
-    # [N, L, H, taps]: [..., o] = x[t - o] (unfold's windows run forward in time)
-    windows = blocks.unfold(1, taps, 1).flip(-1)
-    per_channel = dynamic.view(-1, block_len, taps, groups, 1).expand(-1, -1, -1, -1,
-                                                                     hidden // groups)
-    kernel = per_channel.reshape(-1, block_len, taps, hidden) + base.to(x.dtype)
-    return torch.einsum("nlho,nloh->nlh", windows, kernel).reshape_as(x)
+    # [N, L, H, taps] views: [..., j] = x[t - (taps - 1) + j], zeros before the block's start.
+    windows = F.pad(x.view(-1, block_len, hidden), (0, 0, taps - 1, 0)).unfold(1, taps, 1)
+    grouped = windows.view(*windows.shape[:2], groups, hidden // groups, taps)
+    # Coefficients in the windows' order: [..., j] multiplies x[t - (taps - 1 - j)].
+    dynamic = dynamic.view(-1, block_len, taps, groups).flip(2).transpose(2, 3)[..., None, :]
+    out = (grouped * dynamic).sum(-1).flatten(2)
+    out += (windows * base.flip(0).t().to(x.dtype)).sum(-1)
+    return out.view_as(x)
 
 
 class GroupedConv(nn.Module):
