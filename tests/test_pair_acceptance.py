@@ -62,8 +62,7 @@ def reference_acceptance(pair: Pair, prompt_ids: list[list[int]]) -> float:
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
-    architecture = DFlashConfig.from_pretrained(pair.drafter).to_dict()["architectures"][0]
-    drafter_class = getattr(ref, architecture)
+    drafter_class = getattr(ref, DFlashConfig.from_pretrained(pair.drafter).architecture)
     drafter = drafter_class.from_pretrained(pair.drafter, dtype=torch.float32).eval()
     # return_stats=True times with torch.cuda.synchronize(); on CPU a plain clock does.
     ref._cuda_time = time.perf_counter

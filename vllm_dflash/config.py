@@ -114,6 +114,10 @@ class DFlashConfig:
     def is_dflash2(self) -> bool:
         return any(getattr(self, key) is not None for key in DFLASH2_KEYS)
 
+    @property
+    def architecture(self) -> str:
+        return DFLASH2 if self.is_dflash2 else "DFlashDraftModel"
+
     def _check_dflash2(self) -> None:
         missing = [key for key in DFLASH2_KEYS if getattr(self, key) is None]
         if missing:
@@ -239,7 +243,7 @@ class DFlashConfig:
             dflash_config["causal"] = self.causal
             causal["is_causal"] = self.causal  # the reference reads only the top-level flag
         return {
-            "architectures": [DFLASH2 if self.is_dflash2 else "DFlashDraftModel"],
+            "architectures": [self.architecture],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,

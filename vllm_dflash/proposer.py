@@ -246,7 +246,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
             "runner=%s, drafter=%s, block_size=%d, num_speculative_tokens=%d, "
             "draft layers=%d, draft attention=%s",
             plugin.runner_name(runner),
-            self.dflash_config.to_dict()["architectures"][0],
+            self.dflash_config.architecture,
             self.dflash_config.block_size,
             self.num_speculative_tokens,
             self.dflash_config.num_layers,
