@@ -10,7 +10,8 @@ Steps, each in a subprocess with its own time limit, in this order:
   parity    every kernel path against its torch reference on the GPU (the pytest files below
             test the Triton kernels under the interpreter on the CPU only): draft attention
             (torch, triton) and KV injection (torch, triton, cuda) within dtype tolerance,
-            verification (triton) bit for bit, greedy verification against a plain walk
+            verification (triton) bit for bit, greedy verification against a plain walk,
+            RMSNorm and RoPE (triton)
   bench     benchmarks/kernels.py at Qwen3-8B / DFlash-b16 shapes, batches 1, 8, 64, with
             --cuda-graph --profile (fails when a graph's draft tokens differ from eager's);
             then the drafter step of a DFlash2 drafter of those shapes at batches 1 and 64
@@ -44,9 +45,10 @@ sys.path.insert(0, str(REPO))  # this checkout (and the extension built into it)
 
 import torch
 
+from vllm_dflash import layers
 from vllm_dflash.checkpoint import save_drafter
 from vllm_dflash.config import DFlashConfig
-from vllm_dflash.kernels import _compiled
+from vllm_dflash.kernels import _compiled, norm_rope
 from vllm_dflash.kernels.draft_attention import (
     draft_attention_reference,
     draft_attention_torch,
@@ -192,8 +194,9 @@ def parity_kv_injection(device: torch.device,
             paths["cuda"] = kv_injection  # the dispatcher picks the compiled op
     failures = []
     for dtype in (torch.float32, torch.bfloat16):
-        for tokens, hidden, layers, kv_heads, head_dim in shapes:
-            inputs = injection_inputs(tokens, hidden, layers, kv_heads, head_dim, dtype, device)
+        for tokens, hidden, num_layers, kv_heads, head_dim in shapes:
+            inputs = injection_inputs(tokens, hidden, num_layers, kv_heads, head_dim, dtype,
+                                      device)
             initial = [cache.clone() for cache in inputs["kv_caches"]]
             kv_injection_reference(**inputs)
             want = [cache.clone() for cache in inputs["kv_caches"]]
@@ -279,8 +282,29 @@ def parity_verify(device: torch.device, vocabs: tuple[int, ...] = (2500, 151936)
     return failures
 
 
+def parity_norm_rope(device: torch.device) -> list[str]:
+    """RMSNorm and RoPE as the drafter calls them (Triton on CUDA, the compiled op or torch on
+    CPU) against the references, at Qwen3-8B drafter widths, fp32 and bf16."""
+    gen = torch.Generator().manual_seed(0)
+    failures = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in ((64, 4096), (64, 32, 128), (16, 40)):
+            x = (3 * torch.randn(shape, generator=gen)).to(device, dtype)
+            weight = (torch.rand(shape[-1], generator=gen) + 0.5).to(device, dtype)
+            got = norm_rope.rms_norm(x, weight, 1e-6)
+            failures.append(_mismatch(f"rms_norm {dtype} {shape}", got,
+                                      layers.rms_norm(x, weight, 1e-6), TOLERANCES[dtype]))
+        x = torch.randn(64, 32, 128, generator=gen).to(device, dtype)
+        tables = layers.rope_tables(torch.randint(0, 4096, (64,), generator=gen).to(device),
+                                    rope_cos_sin_cache(128, 4096, 1e6, device))
+        failures.append(_mismatch(f"rotate {dtype}", norm_rope.rotate(x, tables),
+                                  layers.rotate(x, tables), TOLERANCES[dtype]))
+    return [f for f in failures if f]
+
+
 PARITY_CHECKS = {"draft_attention": parity_draft_attention,
                  "kv_injection": parity_kv_injection,
+                 "norm_rope": parity_norm_rope,
                  "verify": parity_verify}
 
 

@@ -76,6 +76,7 @@ def test_parity_checks_pass_on_cpu(gpu_check) -> None:
                                             head_shapes=((4, 2, 32),)) == []
     assert gpu_check.parity_kv_injection(cpu, shapes=((9, 40, 3, 3, 64),)) == []
     assert gpu_check.parity_verify(cpu, vocabs=(300,)) == []
+    assert gpu_check.parity_norm_rope(cpu) == []
 
 
 def test_parity_reports_a_mismatch(gpu_check) -> None:

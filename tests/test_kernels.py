@@ -465,9 +465,28 @@ def check_triton_kv_injection() -> None:
             torch.testing.assert_close(got, want, **TOLERANCES[dtype])
 
 
+def check_triton_norm_rope() -> None:
+    """Triton RMSNorm and RoPE == the torch references: hidden and per-head rows, a width
+    that is no power of two, fp32 and bf16."""
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in ((7, 256), (5, 4, 64), (3, 48)):
+            x = (3 * torch.randn(shape, generator=gen)).to(dtype)
+            weight = (torch.rand(shape[-1], generator=gen) + 0.5).to(dtype)
+            torch.testing.assert_close(norm_rope.rms_norm_triton(x, weight, EPS),
+                                       layers.rms_norm(x, weight, EPS), **TOLERANCES[dtype])
+        for tokens, heads, head_dim in ((6, 5, 64), (4, 3, 48)):
+            x = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype)
+            positions = torch.randint(0, 100, (tokens,), generator=gen)
+            tables = layers.rope_tables(positions, rope_cos_sin_cache(head_dim, 100, 1e4))
+            torch.testing.assert_close(norm_rope.rotate_triton(x, tables),
+                                       layers.rotate(x, tables), **TOLERANCES[dtype])
+
+
 INTERPRETED_CHECKS = {
     "draft_attention": check_triton_draft_attention,
     "kv_injection": check_triton_kv_injection,
+    "norm_rope": check_triton_norm_rope,
 }
 
 
@@ -528,6 +547,16 @@ def test_triton_kernels_compile_for_sm90() -> None:
 
     from vllm_dflash.kernels.draft_attention import _draft_attention_kernel, tile_config
     from vllm_dflash.kernels.kv_injection import _kv_injection_kernel
+    from vllm_dflash.kernels.norm_rope import _rms_norm_kernel, _rotate_kernel
+
+    _sm90_compile(_rms_norm_kernel,
+                  {"x_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "dim": "i32",
+                   "eps": "fp32"},
+                  {"BLOCK": 4096})
+    _sm90_compile(_rotate_kernel,
+                  {"x_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16",
+                   "num_heads": "i32"},
+                  {"HALF": 64, "BLOCK_H": 32, "BLOCK_HALF": 64})
 
     _sm90_compile(
         _kv_injection_kernel,

@@ -1,7 +1,8 @@
 """The CUDA path's Python and Triton code inside a real vLLM engine, on CPU.
 
-On a GPU the proposer runs the Triton draft attention and KV injection, vLLM's rejection
-sampler runs the Triton verification walk, and the draft step replays from DraftGraphs. Here
+On a GPU the proposer runs the Triton draft attention, KV injection, RMSNorm and RoPE, vLLM's
+rejection sampler runs the Triton verification walk, and the draft step replays from
+DraftGraphs. Here
 Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported, so in a subprocess)
 runs those kernels on CPU tensors, fed by vLLM's own block tables, slot mappings, KV cache
 pages and sampling metadata, and DraftGraphs runs its static buffers and padding eagerly. What
@@ -29,16 +30,19 @@ class KernelRoutes:
     the torch reference."""
 
     def __init__(self) -> None:
-        from vllm_dflash import proposer
-        from vllm_dflash.kernels import draft_attention, kv_injection, verify
+        from vllm_dflash import model, proposer
+        from vllm_dflash.kernels import draft_attention, kv_injection, norm_rope, verify
 
         self.calls: Counter = Counter()
-        self.proposer, self.verify = proposer, verify
+        self.proposer, self.model, self.verify = proposer, model, verify
         self.cpu = (proposer.draft_attention, proposer.kv_injection, verify._walk_for)
         walk = self._counted("verify", verify.rejection_walk_triton)
         self.triton = (self._counted("draft_attention", draft_attention.draft_attention_triton),
                        self._counted("kv_injection", kv_injection.kv_injection_triton),
                        lambda device: walk)
+        self.cpu_norm_rope = (model.rms_norm, model.rotate)
+        self.triton_norm_rope = (self._counted("rms_norm", norm_rope.rms_norm_triton),
+                                 self._counted("rotate", norm_rope.rotate_triton))
 
     def _counted(self, name: str, fn):
         def run(*args, **kwargs):
@@ -46,11 +50,15 @@ class KernelRoutes:
             return fn(*args, **kwargs)
         return run
 
-    def use(self, route: str) -> None:
+    def use(self, route: str, norm_rope: bool = False) -> None:
+        """norm_rope: the drafter's RMSNorm and RoPE in Triton too (slow when interpreted:
+        one program per row)."""
         attend, inject, walk_for = self.cpu if route == "cpu" else self.triton
         if route == "reference":
             walk_for = lambda device: self.verify.rejection_walk_reference
         self.proposer.draft_attention, self.proposer.kv_injection = attend, inject
+        self.model.rms_norm, self.model.rotate = (self.triton_norm_rope if norm_rope
+                                                  else self.cpu_norm_rope)
         self.verify._walk_for = walk_for
 
 
@@ -115,9 +123,9 @@ def run_checks(result_path: str) -> None:
 
     def greedy_triton() -> None:
         # Triton first, while the prefix cache is cold: it injects every prompt token.
-        routes.use("triton")
+        routes.use("triton", norm_rope=True)
         accepted = accepted_greedy()
-        for kernel in ("draft_attention", "kv_injection", "verify"):
+        for kernel in ("draft_attention", "kv_injection", "verify", "rms_norm", "rotate"):
             assert routes.calls[kernel] > 0, routes.calls
         routes.use("cpu")
         accepted_cpu = accepted_greedy()
