@@ -167,7 +167,8 @@ class CandidateSelector(nn.Module):
         """hidden [B, K, H], logits [B, K, V], anchors [B] -> candidates [B, K, k] and fp32
         scores [B, K, k, k]: [b, p, i, j] for the edge from the previous position's i-th
         candidate (the anchor at p = 0, every i) to this position's j-th."""
-        unary, candidates = logits.float().topk(self.top_k, dim=-1, sorted=False)
+        # topk in the logits' dtype (fp32 conversion is exact): no fp32 copy of [B, K, V].
+        unary, candidates = logits.topk(self.top_k, dim=-1, sorted=False)
         previous = torch.cat([anchors.view(-1, 1, 1).expand(-1, 1, self.top_k),
                               candidates[:, :-1]], dim=1)
         return candidates, self.scores(hidden, previous, candidates, unary)
