@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from vllm_dflash.config import DFLASH2_KEYS, DFlashConfig
+from vllm_dflash.config import DFlashConfig, dflash2_fields, dflash2_option
 from vllm_dflash.draft_graphs import DraftGraphs
 from vllm_dflash.draft_sampling import select_drafts
 from vllm_dflash.kernels import _compiled
@@ -112,7 +112,7 @@ def drafter_config(args: argparse.Namespace) -> DFlashConfig:
         sliding_window=window, block_size=args.draft_block_size, mask_token_id=MASK_TOKEN_ID,
         target_layer_ids=list(range(args.features)), num_target_layers=args.features + 2,
         causal=args.causal,
-        **dict(zip(DFLASH2_KEYS, args.dflash2 or (), strict=False)),
+        **dflash2_fields(args.dflash2),
     )
 
 
@@ -338,7 +338,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=7,
                         help="tokens injected per request and step (accepted + bonus)")
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--dflash2", type=lambda v: [int(x) for x in v.split(",")], default=None,
+    parser.add_argument("--dflash2", type=dflash2_option, default=None,
                         metavar="TAPS,GROUP,RANK,TOP_K",
                         help="a DFlash2 drafter: conv_kernel_size, conv_group_size, "
                              "selector_rank, selector_top_k")
@@ -362,8 +362,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--cuda-graph needs a CUDA device")
     if args.profile and not args.cuda_graph:
         parser.error("--profile needs --cuda-graph")
-    if args.dflash2 is not None and len(args.dflash2) != len(DFLASH2_KEYS):
-        parser.error(f"--dflash2 takes {len(DFLASH2_KEYS)} integers: TAPS,GROUP,RANK,TOP_K")
     for name, value in (GPU_SHAPES if on_gpu else CPU_SHAPES).items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -67,7 +67,7 @@ def test_kernels_benchmark_cuda_graph_needs_cuda() -> None:
 
 def test_kernels_benchmark_dflash2_takes_four_numbers() -> None:
     proc = _run_bench("--dflash2", "2,16", *TINY_BENCH)
-    assert proc.returncode == 2 and "--dflash2 takes 4 integers" in proc.stderr
+    assert proc.returncode == 2 and "argument --dflash2: takes 4 integers" in proc.stderr
 
 
 def test_parity_checks_pass_on_cpu(gpu_check) -> None:

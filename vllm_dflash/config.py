@@ -34,6 +34,21 @@ DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selecto
 OTHER_DRAFT_ARCHITECTURES = {"LiLiCorrDraftModel"}
 
 
+def dflash2_option(text: str) -> list[int]:
+    """The value of a `--dflash2 TAPS,GROUP,RANK,TOP_K` command-line option (an argparse type)."""
+    from argparse import ArgumentTypeError
+
+    values = [int(x) for x in text.split(",")]
+    if len(values) != len(DFLASH2_KEYS):
+        raise ArgumentTypeError(f"takes {len(DFLASH2_KEYS)} integers: TAPS,GROUP,RANK,TOP_K")
+    return values
+
+
+def dflash2_fields(values: list[int] | None) -> dict[str, int]:
+    """DFlashConfig's DFlash2 fields from a `--dflash2` value; {} for a DFlash drafter."""
+    return dict(zip(DFLASH2_KEYS, values, strict=True)) if values else {}
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Map 'bf16' / 'bfloat16' / torch.bfloat16 (and fp16, fp32 alike) to a torch dtype."""
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():

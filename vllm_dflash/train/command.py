@@ -3,6 +3,7 @@
 import argparse
 import json
 
+from vllm_dflash.config import dflash2_option
 from vllm_dflash.train.trainer import TrainConfig, config_from_args, train
 
 DEFAULTS = TrainConfig(target="", data="", out="")
@@ -10,13 +11,6 @@ DEFAULTS = TrainConfig(target="", data="", out="")
 
 def layer_ids(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
-
-
-def dflash2_keys(text: str) -> list[int]:
-    values = [int(x) for x in text.split(",")]
-    if len(values) != 4:
-        raise argparse.ArgumentTypeError("takes 4 integers: TAPS,GROUP,RANK,TOP_K")
-    return values
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -44,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--dflash2",
-        type=dflash2_keys,
+        type=dflash2_option,
         default=d.dflash2,
         metavar="TAPS,GROUP,RANK,TOP_K",
         help="a DFlash2 drafter: conv_kernel_size, conv_group_size, selector_rank, "

@@ -20,9 +20,9 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from vllm_dflash.checkpoint import save_drafter
 from vllm_dflash.config import (
-    DFLASH2_KEYS,
     DFlashConfig,
     default_target_layer_ids,
+    dflash2_fields,
     resolve_dtype,
 )
 from vllm_dflash.model import DFlashDrafter
@@ -192,7 +192,7 @@ def drafter_config(cfg: TrainConfig, target: PreTrainedModel, mask_id: int) -> D
         mask_token_id=mask_id,
         target_layer_ids=list(layer_ids),
         num_target_layers=t.num_hidden_layers,
-        **dict(zip(DFLASH2_KEYS, cfg.dflash2 or (), strict=False)),
+        **dflash2_fields(cfg.dflash2),
     )
 
 
