@@ -42,7 +42,7 @@ from torch.nn import functional as F
 
 from vllm_dflash.config import DFlashConfig, dflash2_fields, dflash2_option
 from vllm_dflash.draft_graphs import DraftGraphs
-from vllm_dflash.draft_sampling import select_drafts
+from vllm_dflash.draft_sampling import choose_drafts
 from vllm_dflash.kernels import _compiled
 from vllm_dflash.kernels.draft_attention import (
     DraftBatch,
@@ -251,10 +251,8 @@ def draft_step(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head: torc
     hidden = drafter(F.embedding(block_ids.flatten(), embed_weight), positions, attend,
                      block_len=cfg.block_size)
     hidden = hidden.view(num_reqs, cfg.block_size, -1)[:, 1:]
-    logits = F.linear(hidden, lm_head)
-    if drafter.candidate_selector is None:
-        return logits.max(dim=-1).indices
-    return select_drafts(drafter.candidate_selector, hidden, logits, anchors, None)[0]
+    return choose_drafts(drafter.candidate_selector, hidden, F.linear(hidden, lm_head),
+                         anchors)[0]
 
 
 def bench_drafter_step(args: argparse.Namespace, drafter: DFlashDrafter,

@@ -217,18 +217,18 @@ def test_engine_is_lossless_and_reproducible(pair, prompts, baseline, speculativ
                                              monkeypatch) -> None:
     from vllm import SamplingParams
 
-    import vllm_dflash.proposer
+    import vllm_dflash.draft_sampling
 
     # Fixed K: a random drafter would have the adaptive policy switch drafting off.
     monkeypatch.setenv("VLLM_DFLASH_DRAFT_LENGTH", "fixed")
     walks = {"greedy": 0, "sampled": 0}  # the engine runs in this process (tests' default)
-    select = vllm_dflash.proposer.select_drafts
+    select = vllm_dflash.draft_sampling.select_drafts
 
     def counted_select(selector, hidden, logits, anchors, sampling):
         walks["greedy" if sampling is None or not sampling.sampled.any() else "sampled"] += 1
         return select(selector, hidden, logits, anchors, sampling)
 
-    monkeypatch.setattr(vllm_dflash.proposer, "select_drafts", counted_select)
+    monkeypatch.setattr(vllm_dflash.draft_sampling, "select_drafts", counted_select)
     llm = dflash_llm(pair, num_speculative_tokens=5, speculative=speculative, max_num_seqs=4)
     alone = [generate_ids(llm, [p], max_tokens=40, ignore_eos=True)[0] for p in prompts]
     assert alone == baseline

@@ -81,3 +81,19 @@ def select_drafts(selector: CandidateSelector, hidden: torch.Tensor, logits: tor
     q_of_token = probs.gather(-1, tokens[..., None])
     probs.scatter_(-1, tokens[..., None], torch.where(sampled, q_of_token, 1.0))
     return tokens, probs
+
+
+def choose_drafts(selector: CandidateSelector | None, hidden: torch.Tensor,
+                  logits: torch.Tensor, anchors: torch.Tensor,
+                  sampling: DraftSampling | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft tokens [B, K] from the drafter's hidden states [B, K, H] and logits [B, K, V]:
+    a DFlash2 drafter's selector walk from the anchors [B], else the argmax (output_multiplier
+    and softcapping are monotonic, so the target's logits give the drafter's argmax) or the
+    draws for the requests `sampling` marks; then their distributions q [B, K, V] when
+    sampling."""
+    if selector is not None:
+        return select_drafts(selector, hidden, logits, anchors, sampling)
+    if sampling is None:
+        return argmax_rows(logits), None
+    return sample_drafts(logits, sampling)

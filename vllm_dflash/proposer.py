@@ -40,14 +40,8 @@ from vllm_dflash.checkpoint import load_drafter
 from vllm_dflash.config import DFlashConfig, DFlashConfigError, validate_against_target
 from vllm_dflash.draft_graphs import DraftGraphs
 from vllm_dflash.draft_policy import StepProfile
-from vllm_dflash.draft_sampling import (
-    DraftSampling,
-    draft_sampling,
-    sample_drafts,
-    select_drafts,
-)
+from vllm_dflash.draft_sampling import DraftSampling, choose_drafts, draft_sampling
 from vllm_dflash.kernels import _compiled
-from vllm_dflash.kernels.argmax import argmax_rows
 from vllm_dflash.kernels.draft_attention import DraftBatch, draft_attention, draft_attention_path
 from vllm_dflash.kernels.kv_injection import kv_injection
 from vllm_dflash.model import Attend, DFlashDrafter
@@ -415,14 +409,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
         the requests `sampling` marks, and then their distributions [B, k, V]."""
         num_reqs, k = hidden.shape[:2]
         logits = self.logits(hidden.flatten(0, 1)).view(num_reqs, k, -1)
-        selector = self.drafter.candidate_selector
-        if selector is not None:
-            return select_drafts(selector, hidden, logits, anchor_ids, sampling)
-        if sampling is None:
-            # Greedy drafts: output_multiplier and softcapping are monotonic, so the argmax of
-            # the target's logits is the drafter's argmax.
-            return argmax_rows(logits), None
-        return sample_drafts(logits, sampling)
+        return choose_drafts(self.drafter.candidate_selector, hidden, logits, anchor_ids,
+                             sampling)
 
     def draft_hidden(self, anchor_ids: torch.Tensor, batch: DraftBatch) -> torch.Tensor:
         """[B] anchors -> [B, K, hidden] drafter outputs at the block's K mask positions."""

@@ -9,7 +9,7 @@ tokens are exactly the target's greedy ones; tau is the mean of accepted + 1 ove
 import torch
 from transformers import PreTrainedModel
 
-from vllm_dflash.draft_sampling import select_drafts
+from vllm_dflash.draft_sampling import choose_drafts
 from vllm_dflash.model import DFlashDrafter
 from vllm_dflash.train.features import target_features
 from vllm_dflash.train.forward import draft_pass
@@ -33,10 +33,8 @@ def draft_block(
         target.get_input_embeddings().weight,
         target.get_output_embeddings().weight,
     )
-    if drafter.candidate_selector is None:
-        return logits[1:].argmax(-1).tolist()
-    drafts, _ = select_drafts(drafter.candidate_selector, hidden[None, 1:], logits[None, 1:],
-                              block_ids[:1], None)
+    drafts, _ = choose_drafts(drafter.candidate_selector, hidden[None, 1:], logits[None, 1:],
+                              block_ids[:1])
     return drafts[0].tolist()
 
 
