@@ -254,7 +254,8 @@ def greedy_walk(inputs: dict) -> torch.Tensor:
 
 def parity_verify(device: torch.device, vocabs: tuple[int, ...] = (2500, 151936)) -> list[str]:
     """Greedy requests equal the plain walk (every path); on CUDA Triton equals the reference
-    bit for bit, greedy and sampled rows, one-hot and probabilistic drafts, a seeded request."""
+    bit for bit, greedy and sampled rows, one-hot and probabilistic drafts (token rule and
+    block verification), a seeded request."""
     paths = {"reference": verify_reference}
     if device.type == "cuda":
         paths["triton"] = verify_triton
@@ -269,15 +270,17 @@ def parity_verify(device: torch.device, vocabs: tuple[int, ...] = (2500, 151936)
                 failures.append(f"verify {name} vocab {vocab}: greedy output is not the walk's")
         if "triton" not in paths:
             continue
-        for draft_probs in (None, inputs["draft_probs"]):
+        for draft_probs, block in ((None, False), (inputs["draft_probs"], False),
+                                   (inputs["draft_probs"], True)):
             outs = []
             for verify in (verify_reference, verify_triton):
                 torch.manual_seed(1)
                 generators = {2: torch.Generator(device).manual_seed(5)}
                 outs.append(verify(**{**inputs, "draft_probs": draft_probs},
-                                   generators=generators))
+                                   generators=generators, block=block))
             if not torch.equal(*outs):
                 kind = "one-hot" if draft_probs is None else "draft-probs"
+                kind += " block" if block else ""
                 failures.append(f"verify triton vocab {vocab} {kind}: differs from reference")
     return failures
 

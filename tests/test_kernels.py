@@ -548,6 +548,7 @@ def test_triton_kernels_compile_for_sm90() -> None:
     from vllm_dflash.kernels.draft_attention import _draft_attention_kernel, tile_config
     from vllm_dflash.kernels.kv_injection import _kv_injection_kernel
     from vllm_dflash.kernels.norm_rope import _rms_norm_kernel, _rotate_kernel
+    from vllm_dflash.kernels.verify import _verify_kernel
 
     _sm90_compile(_rms_norm_kernel,
                   {"x_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "dim": "i32",
@@ -566,6 +567,17 @@ def test_triton_kernels_compile_for_sm90() -> None:
         {"CACHE_DTYPE": tl.bfloat16, "NUM_LAYERS": 5, "NUM_KV_HEADS": 8, "HEAD_DIM": 128,
          "BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_HALF": 64},
     )
+    verify_types = {"out_ptr": "*i32", "cu_num_draft_tokens_ptr": "*i32",
+                    "draft_token_ids_ptr": "*i64", "draft_probs_ptr": "*fp32",
+                    "target_probs_ptr": "*fp32", "target_argmax_ptr": "*i64",
+                    "bonus_token_ids_ptr": "*i64", "is_greedy_ptr": "*i1", "uniform_ptr": "*fp64",
+                    "inv_exp_ptr": "*fp32", "synthetic_rates_ptr": "*fp32", "vocab_size": "i32",
+                    "max_spec_len": "i32"}
+    for block in (False, True):
+        _sm90_compile(_verify_kernel, verify_types,
+                      {"HAS_DRAFT_PROBS": True, "ALL_GREEDY": False, "SYNTHETIC": False,
+                       "BLOCK": block, "BLOCK_V": 1024})
+
     def arg_type(arg: str, tensor_type: str) -> str:
         if arg in ("q_ptr", "k_ptr", "v_ptr", "cache_ptr", "out_ptr"):
             return tensor_type

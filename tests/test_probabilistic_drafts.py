@@ -1,12 +1,17 @@
 """`draft_sample_method: "probabilistic"` in real engines (CPU build, trained pair): sampling
 requests draw their drafts from the drafter's distribution, which vLLM's runner hands to
 verification; greedy output is unchanged, top-k 1 still equals greedy, seeded requests stay
-reproducible, and at T = 1 more drafts are accepted than with greedy drafts."""
+reproducible, and at T = 1 more drafts are accepted than with greedy drafts. The same with
+block verification (`rejection_sample_method: "block"`)."""
+
+import logging
 
 import pytest
 
+import vllm_dflash.kernels.verify
 from tests.engines import (
     TRAINED,
+    LogLines,
     dflash_llm,
     generate_ids,
     heldout_prompts,
@@ -60,10 +65,17 @@ def baseline(prompts):
 
 @pytest.fixture(scope="module")
 def greedy_drafts(baseline, prompts):
-    llm = dflash_llm(TRAINED, K, max_num_seqs=16)
+    """Acceptance of greedy (one-hot) drafts at T = 1, asked to verify as blocks: one-hot
+    drafts keep the token rule, and start-up says so."""
+    import vllm.logger  # noqa: F401  (its logging set-up resets handlers of child loggers)
+
+    log = LogLines()
+    logging.getLogger("vllm.vllm_dflash").addHandler(log)
+    llm = dflash_llm(TRAINED, K, {"rejection_sample_method": "block"}, max_num_seqs=16)
+    logging.getLogger("vllm.vllm_dflash").removeHandler(log)
     result = acceptance_at_t1(llm, prompts)
     del llm
-    return result
+    return {"acceptance_t1": result, "log": log.lines}
 
 
 @pytest.fixture(scope="module")
@@ -74,22 +86,60 @@ def sampled_drafts(greedy_drafts, prompts):
     return result
 
 
-def test_greedy_output_is_unchanged(baseline, sampled_drafts):
-    assert sampled_drafts["greedy"] == baseline
+@pytest.fixture(scope="module")
+def block_drafts(sampled_drafts, prompts):
+    """Probabilistic drafts verified as blocks; counts the verifications that ran as blocks."""
+    sampled_steps = []  # per verification of a batch with sampling requests: ran as blocks?
+    verify = vllm_dflash.kernels.verify.vllm_rejection_sample
+
+    def counted(*args, block_verification=False, **kwargs):
+        draft_probs, sampling_metadata = args[4], args[7]
+        if not sampling_metadata.all_greedy:
+            sampled_steps.append(block_verification and draft_probs is not None)
+        return verify(*args, block_verification=block_verification, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(vllm_dflash.kernels.verify, "vllm_rejection_sample", counted)
+        llm = dflash_llm(TRAINED, K, {"draft_sample_method": "probabilistic",
+                                      "rejection_sample_method": "block"}, max_num_seqs=16)
+        result = run(llm, prompts)
+        del llm
+    return {**result, "sampled_steps": sampled_steps}
 
 
-def test_top_k_1_equals_greedy(baseline, sampled_drafts):
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_greedy_output_is_unchanged(baseline, sampled_drafts, block_drafts, method):
+    result = sampled_drafts if method == "standard" else block_drafts
+    assert result["greedy"] == baseline
+
+
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_top_k_1_equals_greedy(baseline, sampled_drafts, block_drafts, method):
     # The target's distribution is one-hot: whatever was drafted, verification keeps argmax.
-    assert sampled_drafts["top_k_1"] == baseline
+    result = sampled_drafts if method == "standard" else block_drafts
+    assert result["top_k_1"] == baseline
 
 
-def test_seeded_requests_are_reproducible(sampled_drafts):
-    first, second = sampled_drafts["seeded"]
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_seeded_requests_are_reproducible(sampled_drafts, block_drafts, method):
+    result = sampled_drafts if method == "standard" else block_drafts
+    first, second = result["seeded"]
     assert first == second
+
+
+def test_block_verification_ran_in_the_engine(block_drafts):
+    # Every step with sampling requests verified its drafts as blocks, with their draft probs.
+    assert block_drafts["sampled_steps"] and all(block_drafts["sampled_steps"])
 
 
 def test_sampled_drafts_are_accepted_more_often_at_t1(greedy_drafts, sampled_drafts):
     # A draft drawn from q is accepted with probability sum_v min(p, q) >= p(argmax q) when
     # q is close to p; on the trained pair 1.31 against 1.13 in one run.
-    assert sampled_drafts["acceptance_t1"] > greedy_drafts + 0.08, (
-        sampled_drafts["acceptance_t1"], greedy_drafts)
+    assert sampled_drafts["acceptance_t1"] > greedy_drafts["acceptance_t1"] + 0.08, (
+        sampled_drafts["acceptance_t1"], greedy_drafts["acceptance_t1"])
+
+
+def test_block_verification_of_one_hot_drafts_warns_at_startup(greedy_drafts):
+    assert any("rejection_sample_method='block' changes nothing with one-hot drafts" in line
+               for line in greedy_drafts["log"]), greedy_drafts["log"]
+

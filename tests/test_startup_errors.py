@@ -77,8 +77,6 @@ def test_too_many_speculative_tokens_fails_startup(pair, k):
 
 # Speculative-config keys vllm-dflash refuses: each with the words its message must hold.
 REFUSED_KEYS = {
-    "block verification": ({"rejection_sample_method": "block"},
-                           ["rejection_sample_method='block'", "remove rejection_sample_method"]),
     "drafter kv_cache_dtype": ({"kv_cache_dtype": "fp8"},
                                ["kv_cache_dtype='fp8' for the drafter",
                                 "fix: remove kv_cache_dtype"]),

@@ -4,6 +4,7 @@ vLLM loads `register()` through the `vllm.general_plugins` entry point in every 
 (API server, engine core, workers). A new vLLM version should only need changes here.
 """
 
+import contextvars
 import logging
 import os
 from collections.abc import Callable
@@ -25,6 +26,9 @@ DRAFT_LENGTH_ENV = "VLLM_DFLASH_DRAFT_LENGTH"
 DRAFT_LENGTHS = ("adaptive", "fixed")
 
 _registered = False
+# rejection_sample_method="block" of the RejectionSampler whose forward is running: vLLM's
+# forward calls the module-level rejection_sample, which sees no sampler or config.
+_block_verification = contextvars.ContextVar("vllm_dflash_block_verification", default=False)
 
 
 class DFlashSetupError(RuntimeError):
@@ -481,11 +485,9 @@ def use_dflash_verification() -> None:
     """
     from vllm.v1.sample import rejection_sampler
 
-    from vllm_dflash.kernels.verify import vllm_rejection_sample
-
-    if rejection_sampler.rejection_sample is vllm_rejection_sample:
+    if rejection_sampler.rejection_sample is rejection_sample:
         return
-    rejection_sampler.rejection_sample = vllm_rejection_sample
+    rejection_sampler.rejection_sample = rejection_sample
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -521,6 +523,29 @@ def use_dflash_verification() -> None:
         return process(self, logits, sampling_metadata, metadata)
 
     sampler.apply_logits_processors = apply_logits_processors
+    init, forward = sampler.__init__, sampler.forward
+
+    def __init__(self, sampler_, spec_config=None, device=None):
+        init(self, sampler_, spec_config, device)
+        # vLLM 0.32 has block verification only in Model Runner V2; its V1 runners ignore it.
+        self.block_verification = getattr(spec_config, "rejection_sample_method", "") == "block"
+
+    def forward_with_method(self, *args, **kwargs):
+        token = _block_verification.set(getattr(self, "block_verification", False))
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _block_verification.reset(token)
+
+    sampler.__init__, sampler.forward = __init__, forward_with_method
+
+
+def rejection_sample(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """vLLM's rejection_sample, replaced: vllm-dflash's verification, block or token by token
+    as the running RejectionSampler's config says."""
+    from vllm_dflash.kernels.verify import vllm_rejection_sample
+
+    return vllm_rejection_sample(*args, **kwargs, block_verification=_block_verification.get())
 
 
 def _processor(processors: list, name: str) -> Any:

@@ -149,13 +149,6 @@ def validate_speculative_config(spec: Any, target: Any) -> DFlashConfig:
         num_speculative_tokens=spec.num_speculative_tokens,
         dtype=target.dtype,
     )
-    if spec.rejection_sample_method == "block":
-        raise DFlashConfigError(
-            "rejection_sample_method='block': vllm-dflash verifies drafts token by token "
-            "('standard', exact for greedy and sampled requests; vLLM's V1 runner has no block "
-            "verification either); remove rejection_sample_method from --speculative-config, "
-            "or set it to 'synthetic' to benchmark at a set acceptance."
-        )
     if spec.kv_cache_dtype not in (None, "auto"):
         raise DFlashConfigError(
             f"kv_cache_dtype={spec.kv_cache_dtype!r} for the drafter: vllm-dflash keeps the "
@@ -219,6 +212,11 @@ class DFlashProposer(SpecDecodeBaseProposer):
             "target_layer_ids": list(self.dflash_config.target_layer_ids),
         }
         super().__init__(vllm_config, device, pass_hidden_states_to_model=True, runner=runner)
+        spec = vllm_config.speculative_config
+        # vLLM's base keeps draft probs only for "standard"; block verification reads them too.
+        self._enable_probabilistic_draft_probs = (
+            spec.draft_sample_method == "probabilistic"
+            and spec.rejection_sample_method in ("standard", "block"))
         self.block_len = self.num_speculative_tokens + 1
         num_target_layers = vllm_config.model_config.hf_text_config.num_hidden_layers
         # Names carry one integer past the target's layers, as vLLM's layer indexing expects.
@@ -246,6 +244,12 @@ class DFlashProposer(SpecDecodeBaseProposer):
             self.dflash_config.num_layers,
             draft_attention_path(self.device),
         )
+        if spec.rejection_sample_method == "block" and spec.draft_sample_method != "probabilistic":
+            logger.warning(
+                "vllm-dflash: rejection_sample_method='block' changes nothing with one-hot "
+                "drafts (draft_sample_method=%r): they keep the token rule, which already keeps "
+                "each draft prefix with its target probability. Block verification keeps more "
+                "drafts with draft_sample_method='probabilistic'.", spec.draft_sample_method)
         if vllm_config.speculative_config.attention_backend is not None:
             logger.warning(
                 "vllm-dflash: attention_backend=%s in --speculative-config is not used: the "

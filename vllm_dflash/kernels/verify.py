@@ -14,7 +14,20 @@ Rules per request, walking its rows in order until the first rejection:
                                  correction ~ p with d removed, renormalised
     sampled, draft probs q:      accept with probability min(1, p(d) / q(d))
                                  correction ~ max(p - q, 0), renormalised
-    (an all-zero residual falls back to p; a negative draft id, vLLM's padding, is rejected)
+    (an all-zero residual falls back to p; a negative draft id, vLLM's padding, is rejected
+    and its correction follows p: no draft was drawn there)
+    block (Sun et al. 2024, rejection_sample_method="block"; sampled requests, draft probs q):
+    the drafts are judged together, so a draft the rule above rejects can still be kept when
+    the ones after it make up for it. With w_0 = 1 and, for i = 1..K,
+        w_i = min(w_{i-1} * p_{i-1}(d_i) / q_{i-1}(d_i), 1)
+        h_i = r_i / (r_i + 1 - w_i),  r_i = sum_x max(w_i p_i(x) - q_i(x), 0)   (i < K)
+        h_K = w_K                     (also at the last draft before a padding id)
+    the request keeps tau drafts, tau = the largest i with uniform_i < h_i (0 if none), then
+    the bonus (tau = K) or a correction ~ max(w_tau p_tau - q_tau, 0), renormalised. The output
+    follows the target's distribution, and its expected length is at least the token rule's.
+    One-hot drafts keep the token rule: it already keeps each draft prefix with its target
+    probability, the most any lossless rule can, so the block rule would change no
+    distribution, and it would need the drafts to be the drafter's deterministic choice.
     synthetic (vLLM's benchmark mode, rejection_sample_method="synthetic"; not lossless):
                                  accept with probability rate[position], whatever d is
                                  correction as above (argmax p for greedy requests)
@@ -23,7 +36,7 @@ All randomness is drawn up front by ``draw_randoms`` and consumed identically by
 reference and the Triton kernel, so the two give the same tokens bit for bit:
 
     uniform[t] ~ U[0, 1), float64:   accept  <=>  uniform[t] * q(d) < p(d)      (q(d) = 1 one-hot)
-        P(u * q < p) = min(1, p / q).
+        P(u * q < p) = min(1, p / q).  Block verification: position t counts <=> uniform[t] < h.
     inv_exp[b, v] = 1 / E,  E ~ Exp(1):   correction = argmax_v residual[v] * inv_exp[b, v]
         The exponential race: argmax_v r_v / E_v picks v with probability r_v / sum(r), so the
         residual needs no normalisation. One noise row per request suffices because only a
@@ -91,12 +104,15 @@ def rejection_walk_reference(
     target_argmax: torch.Tensor,
     randoms: Randoms | None,
     synthetic_rates: torch.Tensor | None = None,
+    block: bool = False,
 ) -> torch.Tensor:
     """Accept/reject walk in vectorised torch, given pre-drawn randoms.
 
     ``randoms=None`` means every request is greedy: probabilities are then never read (logits
     may be passed as ``target_probs``), only ``target_argmax``. ``synthetic_rates``
     [max_spec_len] (with randoms) accepts row t with probability synthetic_rates[position].
+    ``block`` verifies the sampled requests' drafts as a block when draft_probs are given
+    (module docstring).
     """
     batch_size = cu_num_draft_tokens.shape[0]
     num_tokens = draft_token_ids.shape[0]
@@ -124,6 +140,12 @@ def rejection_walk_reference(
     accepted = torch.zeros(batch_size, max_spec_len, dtype=torch.long, device=device)
     accepted[req, pos] = accept.long()
     num_accepted = accepted.cumprod(dim=1).sum(dim=1)
+    weight = torch.ones(batch_size, dtype=torch.float32, device=device)  # w_tau, block only
+    if block and draft_probs is not None and randoms is not None and synthetic_rates is None:
+        block_accepted, block_weight = _block_lengths_reference(
+            drafts, req, pos, num_drafts, max_spec_len, draft_probs, target_probs, randoms.uniform)
+        num_accepted = torch.where(is_greedy, num_accepted, block_accepted)
+        weight = torch.where(is_greedy, weight, block_weight.float())
 
     out = torch.full((batch_size, max_spec_len + 1), -1, dtype=torch.int32, device=device)
     out[req, pos] = torch.where(pos < num_accepted[req], drafts, -1).int()
@@ -139,6 +161,7 @@ def rejection_walk_reference(
             None if draft_probs is None else draft_probs[rows],
             drafts[rows],
             randoms.inv_exp[rejected],
+            weight[rejected],
         )
         correction = torch.where(is_greedy[rejected], correction, recovered)
     next_token[rejected] = correction
@@ -178,15 +201,62 @@ def greedy_walk_torch(
     return out.masked_fill_(columns > num_accepted, -1).int()
 
 
+def _block_lengths_reference(
+    drafts: torch.Tensor,
+    req: torch.Tensor,
+    pos: torch.Tensor,
+    num_drafts: torch.Tensor,
+    max_spec_len: int,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    uniform: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block verification: per request, tau (drafts kept) and w_tau, in float64."""
+    batch_size, num_tokens = num_drafts.shape[0], drafts.shape[0]
+    valid = drafts >= 0
+    safe = drafts.clamp_min(0)[:, None]
+    p_d = target_probs.gather(1, safe)[:, 0].double()
+    # A floor keeps p / q finite for a draft that q gave no mass.
+    q_d = draft_probs.gather(1, safe)[:, 0].double().clamp_min(torch.finfo(torch.float64).tiny)
+    ratio = torch.zeros(batch_size, max_spec_len, dtype=torch.float64, device=drafts.device)
+    ratio[req, pos] = torch.where(valid, p_d / q_d, 0.0)
+    weights = [torch.ones(batch_size, dtype=torch.float64, device=drafts.device)]  # w_0..w_K
+    for i in range(max_spec_len):
+        weights.append(torch.clamp_max(weights[-1] * ratio[:, i], 1.0))
+    weights = torch.stack(weights, dim=1)
+    w = weights[req, pos + 1]  # w_i after row t's draft (i = pos + 1)
+
+    # r_i reads the next row (the same request's next draft); h_i = w_i at the block's end.
+    nxt = torch.arange(1, num_tokens + 1, device=drafts.device).clamp_max(num_tokens - 1)
+    has_next = (pos + 1 < num_drafts[req]) & valid[nxt]
+    mass = (w[:, None] * target_probs[nxt].double() - draft_probs[nxt].double())
+    mass = mass.clamp_min(0.0).sum(dim=1)
+    denom = mass + 1.0 - w
+    h = torch.where(has_next, torch.where(denom > 0, mass / denom, 1.0), w)
+    counted = torch.where(uniform < h, pos + 1, 0)
+    tau = torch.zeros(batch_size, dtype=torch.long, device=drafts.device)
+    tau.scatter_reduce_(0, req, counted, reduce="amax")
+    return tau, weights.gather(1, tau[:, None])[:, 0]
+
+
 def _recover_reference(
-    p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor, inv_exp: torch.Tensor
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    drafts: torch.Tensor,
+    inv_exp: torch.Tensor,
+    weight: torch.Tensor,
 ) -> torch.Tensor:
-    """Correction tokens of rejected rows: argmax(residual / E), argmax(p / E) if residual = 0."""
+    """Correction tokens of rejected rows: argmax(residual / E), argmax(p / E) if residual = 0.
+
+    residual = max(weight * p - q, 0) (weight = w_tau of block verification, else 1); one-hot
+    drafts zero the draft's entry of p instead, where the weight cancels. A padding draft was
+    not drawn from q, so its row's residual is p."""
     if q is None:
         vocab = torch.arange(p.shape[1], device=p.device)
         residual = torch.where(vocab == drafts[:, None], 0.0, p)
     else:
-        residual = torch.clamp_min(p - q, 0.0)
+        q = torch.where(drafts[:, None] >= 0, q, 0.0)
+        residual = torch.clamp_min(p * weight[:, None] - q, 0.0)
     from_residual = (residual.to(inv_exp.dtype) * inv_exp).argmax(dim=1)
     from_target = (p.to(inv_exp.dtype) * inv_exp).argmax(dim=1)
     return torch.where(residual.amax(dim=1) > 0, from_residual, from_target)
@@ -211,6 +281,7 @@ def _recover_token(
     row,
     req,
     draft,
+    weight,
     vocab_size,
     HAS_DRAFT_PROBS: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -231,7 +302,8 @@ def _recover_token(
         if HAS_DRAFT_PROBS:
             q = tl.load(draft_probs_ptr + row.to(tl.int64) * vocab_size + vocab,
                         mask=in_vocab, other=0.0)
-            residual = tl.maximum(p - q, 0.0)
+            q = tl.where(draft >= 0, q, 0.0)
+            residual = tl.maximum(p * weight - q, 0.0)
         else:
             residual = tl.where(vocab == draft, 0.0, p)
         inv_exp = tl.load(noise_row + vocab, mask=in_vocab, other=0.0)
@@ -243,6 +315,60 @@ def _recover_token(
             tl.where(in_vocab, p.to(noise_dtype) * inv_exp, -1.0),
             offset, best_target, best_target_id)
     return tl.where(residual_max > 0, best_residual_id, best_target_id)
+
+
+@triton.jit
+def _residual_mass(target_probs_ptr, draft_probs_ptr, row, weight, vocab_size,
+                   BLOCK_V: tl.constexpr):
+    """sum_x max(weight * p(x) - q(x), 0) over one row, in float64."""
+    total = tl.zeros([], dtype=tl.float64)
+    for offset in range(0, vocab_size, BLOCK_V):
+        vocab = offset + tl.arange(0, BLOCK_V)
+        in_vocab = vocab < vocab_size
+        p = tl.load(target_probs_ptr + row.to(tl.int64) * vocab_size + vocab, mask=in_vocab,
+                    other=0.0)
+        q = tl.load(draft_probs_ptr + row.to(tl.int64) * vocab_size + vocab, mask=in_vocab,
+                    other=0.0)
+        total += tl.sum(tl.maximum(weight * p.to(tl.float64) - q.to(tl.float64), 0.0), axis=0)
+    return total
+
+
+@triton.jit
+def _block_length(
+    draft_token_ids_ptr,
+    draft_probs_ptr,
+    target_probs_ptr,
+    uniform_ptr,
+    start,
+    num_drafts,
+    vocab_size,
+    BLOCK_V: tl.constexpr,
+):
+    """Block verification of one request: (tau, w_tau); same math as _block_lengths_reference."""
+    weight = tl.full([], 1.0, tl.float64)
+    tau = tl.zeros([], dtype=tl.int32)
+    tau_weight = tl.full([], 1.0, tl.float64)
+    i = tl.zeros([], dtype=tl.int32)
+    while i < num_drafts:
+        row = start + i
+        draft = tl.load(draft_token_ids_ptr + row)
+        safe = tl.maximum(draft, 0)
+        p_d = tl.load(target_probs_ptr + row.to(tl.int64) * vocab_size + safe).to(tl.float64)
+        q_d = tl.load(draft_probs_ptr + row.to(tl.int64) * vocab_size + safe).to(tl.float64)
+        q_d = tl.maximum(q_d, 2.2250738585072014e-308)  # float64's tiny, as the reference
+        weight = tl.minimum(weight * tl.where(draft >= 0, p_d / q_d, 0.0), 1.0)
+        h = weight
+        next_draft = tl.load(draft_token_ids_ptr + row + 1, mask=i + 1 < num_drafts, other=-1)
+        if next_draft >= 0:
+            mass = _residual_mass(target_probs_ptr, draft_probs_ptr, row + 1, weight,
+                                  vocab_size, BLOCK_V)
+            denom = mass + 1.0 - weight
+            h = tl.where(denom > 0, mass / denom, 1.0)
+        counted = tl.load(uniform_ptr + row) < h
+        tau = tl.where(counted, i + 1, tau)
+        tau_weight = tl.where(counted, weight, tau_weight)
+        i += 1
+    return tau, tau_weight
 
 
 @triton.jit
@@ -263,6 +389,7 @@ def _verify_kernel(
     HAS_DRAFT_PROBS: tl.constexpr,
     ALL_GREEDY: tl.constexpr,
     SYNTHETIC: tl.constexpr,
+    BLOCK: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """One program per request: walk its drafts, then write the correction or the bonus."""
@@ -273,8 +400,20 @@ def _verify_kernel(
     greedy = tl.load(is_greedy_ptr + req)
     out_row = out_ptr + req * (max_spec_len + 1)
 
-    num_accepted = 0
+    num_accepted = tl.zeros([], dtype=tl.int32)
+    weight = tl.full([], 1.0, tl.float32)  # w_tau of block verification
     walking = num_drafts > 0
+    if BLOCK:
+        walking = walking & greedy  # greedy requests keep the token rule
+        if not greedy:
+            num_accepted, tau_weight = _block_length(
+                draft_token_ids_ptr, draft_probs_ptr, target_probs_ptr, uniform_ptr, start,
+                num_drafts, vocab_size, BLOCK_V)
+            weight = tau_weight.to(tl.float32)
+            i = 0
+            while i < num_accepted:
+                tl.store(out_row + i, tl.load(draft_token_ids_ptr + start + i).to(tl.int32))
+                i += 1
     while walking:
         row = start + num_accepted
         draft = tl.load(draft_token_ids_ptr + row)
@@ -303,7 +442,8 @@ def _verify_kernel(
         if not ALL_GREEDY and not greedy:
             next_token = _recover_token(
                 target_probs_ptr, draft_probs_ptr, inv_exp_ptr, row, req,
-                tl.load(draft_token_ids_ptr + row), vocab_size, HAS_DRAFT_PROBS, BLOCK_V)
+                tl.load(draft_token_ids_ptr + row), weight, vocab_size, HAS_DRAFT_PROBS,
+                BLOCK_V)
     tl.store(out_row + num_accepted, next_token)
 
 
@@ -318,6 +458,7 @@ def rejection_walk_triton(
     target_argmax: torch.Tensor,
     randoms: Randoms | None,
     synthetic_rates: torch.Tensor | None = None,
+    block: bool = False,
 ) -> torch.Tensor:
     """Same as rejection_walk_reference, as one Triton program per request."""
     batch_size = cu_num_draft_tokens.shape[0]
@@ -341,6 +482,8 @@ def rejection_walk_triton(
         HAS_DRAFT_PROBS=draft_probs is not None,
         ALL_GREEDY=randoms is None,
         SYNTHETIC=synthetic_rates is not None,
+        BLOCK=block and draft_probs is not None and randoms is not None
+        and synthetic_rates is None,
         BLOCK_V=min(triton.next_power_of_2(vocab_size), 1024),
     )
     return out
@@ -367,6 +510,7 @@ def _verify(
     is_greedy: torch.Tensor,
     generators: dict[int, torch.Generator],
     target_argmax: torch.Tensor | None,
+    block: bool,
 ) -> torch.Tensor:
     if target_argmax is None:
         target_argmax = argmax_rows(target_probs)
@@ -376,7 +520,7 @@ def _verify(
     randoms = draw_randoms(num_draft_tokens, target_probs.shape[1], generators,
                            target_probs.device)
     return walk(draft_token_ids, cu_num_draft_tokens, max_spec_len, draft_probs, target_probs,
-                bonus_token_ids, is_greedy, target_argmax, randoms)
+                bonus_token_ids, is_greedy, target_argmax, randoms, block=block)
 
 
 def verify_reference(
@@ -389,6 +533,7 @@ def verify_reference(
     is_greedy: torch.Tensor,
     generators: dict[int, torch.Generator],
     target_argmax: torch.Tensor | None = None,
+    block: bool = False,
 ) -> torch.Tensor:
     """Verify drafts with the torch reference. Returns [B, max_spec_len + 1] int32, -1 padded.
 
@@ -396,11 +541,11 @@ def verify_reference(
     counts; draft_probs [T, V] fp32 or None (one-hot drafts); target_probs [T, V] fp32, processed
     (temperature/top-k/top-p); bonus_token_ids [B]; is_greedy [B] bool; generators: request
     index -> torch.Generator (others use the default RNG); target_argmax [T] (default: argmax of
-    target_probs).
+    target_probs); block: verify the sampled requests' drafts as a block (module docstring).
     """
     return _verify(rejection_walk_reference, draft_token_ids, cu_num_draft_tokens, max_spec_len,
                    draft_probs, target_probs, bonus_token_ids, is_greedy, generators,
-                   target_argmax)
+                   target_argmax, block)
 
 
 def verify_triton(
@@ -413,11 +558,12 @@ def verify_triton(
     is_greedy: torch.Tensor,
     generators: dict[int, torch.Generator],
     target_argmax: torch.Tensor | None = None,
+    block: bool = False,
 ) -> torch.Tensor:
     """verify_reference with the Triton kernel; same random numbers, so the same tokens."""
     return _verify(rejection_walk_triton, draft_token_ids, cu_num_draft_tokens, max_spec_len,
                    draft_probs, target_probs, bonus_token_ids, is_greedy, generators,
-                   target_argmax)
+                   target_argmax, block)
 
 
 def verify(
@@ -430,11 +576,12 @@ def verify(
     is_greedy: torch.Tensor,
     generators: dict[int, torch.Generator],
     target_argmax: torch.Tensor | None = None,
+    block: bool = False,
 ) -> torch.Tensor:
     """verify_triton on CUDA, the torch reference (verify_reference) as fallback elsewhere."""
     return _verify(_walk_for(target_probs.device), draft_token_ids, cu_num_draft_tokens,
                    max_spec_len, draft_probs, target_probs, bonus_token_ids, is_greedy,
-                   generators, target_argmax)
+                   generators, target_argmax, block)
 
 
 def sampling_probs(
@@ -474,6 +621,7 @@ def vllm_rejection_sample(
     synthetic_mode: bool = False,
     synthetic_conditional_rates: torch.Tensor | None = None,
     use_fp64_gumbel: bool = False,
+    block_verification: bool = False,
 ) -> torch.Tensor:
     """Drop-in for ``vllm.v1.sample.rejection_sampler.rejection_sample``.
 
@@ -482,6 +630,8 @@ def vllm_rejection_sample(
     when all greedy), .generators. bonus_token_ids is [B, 1]. All-greedy batches take a cheap
     path: argmax only, no softmax, no random numbers. synthetic_mode (vLLM's benchmark mode)
     accepts the draft at position i with probability synthetic_conditional_rates[i].
+    block_verification (rejection_sample_method="block") verifies each sampled request's drafts
+    as a block; greedy requests are unchanged by it.
     """
     bonus = bonus_token_ids.view(-1)
     if not any(num_draft_tokens):
@@ -514,4 +664,4 @@ def vllm_rejection_sample(
                            fp64_noise=use_fp64_gumbel)
     return walk(draft_token_ids, cu_num_draft_tokens, max_spec_len, draft_probs, target_probs,
                 bonus, is_greedy, target_argmax, randoms,
-                synthetic_conditional_rates if synthetic_mode else None)
+                synthetic_conditional_rates if synthetic_mode else None, block=block_verification)
