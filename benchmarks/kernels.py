@@ -63,7 +63,7 @@ from vllm_dflash.kernels.verify import (
     verify_reference,
     verify_triton,
 )
-from vllm_dflash.model import DFlashDrafter
+from vllm_dflash.model import DFlashDrafter, SelectorInputs
 from vllm_dflash.tiny import random_drafter
 
 GPU_SHAPES = {"hidden": 4096, "layers": 5, "heads": 32, "kv_heads": 8, "head_dim": 128,
@@ -252,7 +252,7 @@ def draft_step(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head: torc
                      block_len=cfg.block_size)
     hidden = hidden.view(num_reqs, cfg.block_size, -1)[:, 1:]
     return choose_drafts(drafter.candidate_selector, hidden, F.linear(hidden, lm_head),
-                         anchors)[0]
+                         SelectorInputs(anchors))[0]
 
 
 def bench_drafter_step(args: argparse.Namespace, drafter: DFlashDrafter,

@@ -125,7 +125,7 @@ def test_parse_errors() -> None:
     with pytest.raises(DFlashConfigError, match="'DFlash2DraftModel'.*none of.*fix"):
         DFlashConfig.from_dict(d)
     d = qwen3_8b_b16() | {"architectures": ["LiLiCorrDraftModel"]}
-    with pytest.raises(DFlashConfigError, match="'LiLiCorrDraftModel'.*not supported.*fix"):
+    with pytest.raises(DFlashConfigError, match="LiLiCorrDraftModel config needs.*lilicorr_.*fix"):
         DFlashConfig.from_dict(d)
     d = qwen3_8b_b16() | {"rope_scaling": {"type": "yarn", "factor": 4.0}}
     with pytest.raises(DFlashConfigError, match="rope_scaling.rope_type is 'yarn'.*fix"):

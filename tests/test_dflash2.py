@@ -39,7 +39,7 @@ from vllm_dflash.config import (
     default_target_layer_ids,
 )
 from vllm_dflash.draft_sampling import DraftSampling, select_drafts
-from vllm_dflash.model import walk
+from vllm_dflash.model import SelectorInputs, walk
 from vllm_dflash.tiny import random_drafter
 
 DFLASH2 = {"conv_kernel_size": 3, "conv_group_size": 32, "selector_rank": 16,
@@ -91,12 +91,6 @@ def test_config_errors_name_the_key(make_config, change: dict, message: str) -> 
     assert message in str(err.value)
 
 
-def test_lilicorr_still_refused(make_config) -> None:
-    d = make_config().to_dict() | {"architectures": ["LiLiCorrDraftModel"]}
-    with pytest.raises(DFlashConfigError, match="not supported by vllm-dflash yet"):
-        DFlashConfig.from_dict(d)
-
-
 # ---------------------------------------------------------------------------- drafter
 
 
@@ -120,7 +114,7 @@ def test_drafter_and_greedy_walk_match_reference(block_size: int, taps: int, con
 
         h = hidden[None, 1:]
         logits = drafter.logits(h, head)
-        drafts, _ = select_drafts(drafter.candidate_selector, h, logits, tokens[:1], None)
+        drafts, _ = select_drafts(drafter.candidate_selector, h, logits, SelectorInputs(tokens[:1]), None)
         want, _, _ = reference.propose(expected[None, 1:], tokens[:1], lambda x: x @ head.T, 0.0)
         assert torch.equal(drafts, want)
         differs += int((drafts != logits.argmax(dim=-1)).any())
@@ -143,7 +137,7 @@ def selector_inputs(make_config, num_reqs: int = 4, k: int = 5):
     hidden = torch.randn(num_reqs, k, cfg.hidden_size, generator=gen)
     logits = 2 * torch.randn(num_reqs, k, cfg.vocab_size, generator=gen)
     anchors = torch.randint(2, cfg.vocab_size, (num_reqs,), generator=gen)
-    return drafter.candidate_selector, hidden, logits, anchors
+    return drafter.candidate_selector, hidden, logits, SelectorInputs(anchors)
 
 
 @torch.inference_mode()
@@ -194,7 +188,7 @@ def pair(tmp_path_factory) -> Pair:
     root = tmp_path_factory.mktemp("dflash2")
     target = write_random_target(root / "target")
     dflash2 = DFLASH2 | {"conv_group_size": 16}
-    write_random_drafter(root / "drafter", target, block_size=8, dflash2=dflash2)
+    write_random_drafter(root / "drafter", target, block_size=8, head=dflash2)
     return Pair(target=target, drafter=root / "drafter", block_size=8)
 
 

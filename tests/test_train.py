@@ -159,7 +159,7 @@ def test_load_examples(target_dir, tmp_path):
 @pytest.fixture(scope="module")
 def dflash2_drafter(target_dir, target):
     cfg = TrainConfig(target=str(target_dir), data="", out="", layers=2, target_layer_ids=[1, 2],
-                      dflash2=DFLASH2)
+                      head=DFLASH2)
     return random_drafter(drafter_config(cfg, target, target.config.vocab_size - 1), seed=1)
 
 

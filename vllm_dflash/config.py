@@ -30,8 +30,70 @@ DFLASH2 = "DFlash2DraftModel"
 # The keys a DFlash2 drafter adds (dflash_config or top level): its grouped convolutions and its
 # candidate selector.
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-# A drafter that vLLM also runs as method "dflash", with a head this package does not have.
-OTHER_DRAFT_ARCHITECTURES = {"LiLiCorrDraftModel"}
+CONV_KEYS = DFLASH2_KEYS[:2]
+LILICORR = "LiLiCorrDraftModel"
+
+
+@dataclass(frozen=True)
+class LiLiCorrConfig:
+    """A LiLiCorr drafter's candidate-lattice head (dflash_config's `lilicorr_*` keys): a small
+    transformer over the top candidate_topk candidates of every draft position that scores
+    the edges between neighbouring positions' candidates."""
+
+    candidate_topk: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    mlp_ratio: float
+    factor_dim: int
+    vector_eps: float
+    logit_scale: float
+
+    KEYS = ("candidate_topk", "hidden_size", "num_layers", "num_heads", "mlp_ratio",
+            "factor_dim", "vector_eps", "logit_scale")
+
+    def __post_init__(self) -> None:
+        k = self.candidate_topk
+        if not 1 <= k <= 16 or k & (k - 1):
+            raise DFlashConfigError(
+                f"lilicorr_candidate_topk {k} must be a power of two from 1 to 16; fix: "
+                "correct dflash_config.lilicorr_candidate_topk")
+        if self.num_heads < 1 or self.hidden_size % self.num_heads:
+            raise DFlashConfigError(
+                f"lilicorr_num_heads {self.num_heads} does not divide the head's hidden size "
+                f"{self.hidden_size}; fix: correct dflash_config.lilicorr_num_heads")
+        if self.factor_dim < 1 or self.num_layers < 0 or int(self.hidden_size * self.mlp_ratio) < 1:
+            raise DFlashConfigError(
+                f"lilicorr_factor_dim {self.factor_dim}, lilicorr_num_layers {self.num_layers} "
+                f"and lilicorr_mlp_ratio {self.mlp_ratio} must be >= 1, >= 0 and > 0; fix: "
+                "correct dflash_config")
+
+    @classmethod
+    def from_dflash_config(cls, dc: dict[str, Any], hidden_size: int) -> "LiLiCorrConfig":
+        if not dc.get("lilicorr_enabled", True):
+            raise DFlashConfigError(
+                f"architectures ['{LILICORR}'] with dflash_config.lilicorr_enabled false; fix: "
+                "set it true, or use the checkpoint's DFlash architecture")
+        missing = [f"lilicorr_{key}" for key in cls.KEYS
+                   if key != "hidden_size" and dc.get(f"lilicorr_{key}") is None]
+        if missing:
+            raise DFlashConfigError(
+                f"a {LILICORR} config needs {missing} in dflash_config; fix: add them from the "
+                "checkpoint's training config")
+        return cls(
+            candidate_topk=int(dc["lilicorr_candidate_topk"]),
+            hidden_size=int(dc.get("lilicorr_hidden_size") or hidden_size),
+            num_layers=int(dc["lilicorr_num_layers"]),
+            num_heads=int(dc["lilicorr_num_heads"]),
+            mlp_ratio=float(dc["lilicorr_mlp_ratio"]),
+            factor_dim=int(dc["lilicorr_factor_dim"]),
+            vector_eps=float(dc["lilicorr_vector_eps"]),
+            logit_scale=float(dc["lilicorr_logit_scale"]),
+        )
+
+    def to_dflash_config(self) -> dict[str, Any]:
+        return {"lilicorr_enabled": True,
+                **{f"lilicorr_{key}": getattr(self, key) for key in self.KEYS}}
 
 
 def dflash2_option(text: str) -> list[int]:
@@ -100,6 +162,8 @@ class DFlashConfig:
     conv_group_size: int | None = None
     selector_rank: int | None = None
     selector_top_k: int | None = None
+    # LiLiCorr: the candidate-lattice head instead of DFlash2's selector (convolutions optional).
+    lilicorr: LiLiCorrConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -124,36 +188,63 @@ class DFlashConfig:
             )
         if self.is_dflash2:
             self._check_dflash2()
+        elif self.has_convs:
+            self._check_convs()
 
     @property
     def is_dflash2(self) -> bool:
-        return any(getattr(self, key) is not None for key in DFLASH2_KEYS)
+        """DFlash2's candidate selector (and convolutions): any of its keys, LiLiCorr aside."""
+        keys = DFLASH2_KEYS if self.lilicorr is None else DFLASH2_KEYS[2:]
+        return any(getattr(self, key) is not None for key in keys)
+
+    @property
+    def has_convs(self) -> bool:
+        """Grouped causal convolutions around each layer's attention and MLP."""
+        return self.conv_kernel_size is not None or self.conv_group_size is not None
 
     @property
     def architecture(self) -> str:
+        if self.lilicorr is not None:
+            return LILICORR
         return DFLASH2 if self.is_dflash2 else "DFlashDraftModel"
 
     def _check_dflash2(self) -> None:
+        if self.lilicorr is not None:
+            raise DFlashConfigError(
+                f"a {LILICORR} config has selector_rank/selector_top_k, DFlash2's selector "
+                "keys; fix: remove them (LiLiCorr scores candidates with its own head)")
         missing = [key for key in DFLASH2_KEYS if getattr(self, key) is None]
         if missing:
             raise DFlashConfigError(
                 f"a {DFLASH2} config needs {list(DFLASH2_KEYS)} in dflash_config; {missing} "
                 "missing; fix: add them from the checkpoint's training config"
             )
-        if self.conv_kernel_size < 1 or self.selector_rank < 1:
+        if self.selector_rank < 1:
             raise DFlashConfigError(
-                f"conv_kernel_size {self.conv_kernel_size} and selector_rank "
-                f"{self.selector_rank} must be >= 1; fix: correct dflash_config"
+                f"selector_rank {self.selector_rank} must be >= 1; fix: correct dflash_config"
+            )
+        self._check_convs()
+        if not 1 <= self.selector_top_k <= self.vocab_size:
+            raise DFlashConfigError(
+                f"selector_top_k {self.selector_top_k} is outside [1, vocab_size "
+                f"{self.vocab_size}]; fix: correct dflash_config.selector_top_k"
+            )
+
+    def _check_convs(self) -> None:
+        if self.conv_kernel_size is None or self.conv_group_size is None:
+            raise DFlashConfigError(
+                f"conv_kernel_size {self.conv_kernel_size} and conv_group_size "
+                f"{self.conv_group_size}: the convolutions need both; fix: set both in "
+                "dflash_config, or neither")
+        if self.conv_kernel_size < 1:
+            raise DFlashConfigError(
+                f"conv_kernel_size {self.conv_kernel_size} must be >= 1; fix: correct "
+                "dflash_config"
             )
         if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
             raise DFlashConfigError(
                 f"conv_group_size {self.conv_group_size} does not divide hidden_size "
                 f"{self.hidden_size}; fix: correct dflash_config.conv_group_size"
-            )
-        if not 1 <= self.selector_top_k <= self.vocab_size:
-            raise DFlashConfigError(
-                f"selector_top_k {self.selector_top_k} is outside [1, vocab_size "
-                f"{self.vocab_size}]; fix: correct dflash_config.selector_top_k"
             )
 
     @property
@@ -173,12 +264,6 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
         architectures = set(d.get("architectures") or ())
-        other = architectures & OTHER_DRAFT_ARCHITECTURES
-        if other:
-            raise DFlashConfigError(
-                f"architectures {sorted(other)}: this drafter head is not supported by "
-                f"vllm-dflash yet; fix: use a DFlashDraftModel or {DFLASH2} checkpoint"
-            )
         dc = d.get("dflash_config")
         if not isinstance(dc, dict):
             raise DFlashConfigError(
@@ -198,6 +283,15 @@ class DFlashConfig:
             for i in range(num_layers)
         ]
         softcap = _draft(d, dc, "final_logit_softcapping")
+        lilicorr = None
+        if LILICORR in architectures:
+            if d.get("has_own_lm_head"):
+                raise DFlashConfigError(
+                    f"a {LILICORR} checkpoint with its own lm_head (has_own_lm_head) is not "
+                    "supported by vllm-dflash yet: its candidates come from the target's "
+                    "lm_head; fix: use a checkpoint without has_own_lm_head, or "
+                    "VLLM_DFLASH_IMPL=vllm with Model Runner V2 on a GPU")
+            lilicorr = LiLiCorrConfig.from_dflash_config(dc, _required(d, "hidden_size"))
         return cls(
             hidden_size=_required(d, "hidden_size"),
             intermediate_size=_required(d, "intermediate_size"),
@@ -224,7 +318,8 @@ class DFlashConfig:
             output_multiplier=float(_draft(d, dc, "output_multiplier", 1.0)),
             final_logit_softcapping=float(softcap) if softcap and softcap > 0 else None,
             input_embedding_scale=float(_draft(d, dc, "input_embedding_scale", 1.0)),
-            **_dflash2_fields(d, dc, DFLASH2 in architectures),
+            **_dflash2_fields(d, dc, architectures & {DFLASH2, LILICORR}),
+            lilicorr=lilicorr,
         )
 
     @classmethod
@@ -251,8 +346,11 @@ class DFlashConfig:
             "final_logit_softcapping": self.final_logit_softcapping,
             "input_embedding_scale": self.input_embedding_scale,
         }
-        if self.is_dflash2:
-            dflash_config |= {key: getattr(self, key) for key in DFLASH2_KEYS}
+        if self.is_dflash2 or self.has_convs:
+            dflash_config |= {key: getattr(self, key) for key in DFLASH2_KEYS
+                              if getattr(self, key) is not None}
+        if self.lilicorr is not None:
+            dflash_config |= self.lilicorr.to_dflash_config()
         causal: dict[str, Any] = {}
         if self.causal is not None:
             dflash_config["causal"] = self.causal
@@ -301,13 +399,15 @@ def _draft(d: dict[str, Any], dflash_config: dict[str, Any], key: str, default: 
 
 
 def _dflash2_fields(d: dict[str, Any], dflash_config: dict[str, Any],
-                    is_dflash2: bool) -> dict[str, int | None]:
-    """The DFlash2 keys of a DFlash2 config, ints or None where missing (DFlashConfig names
-    those); {} for other architectures."""
-    if not is_dflash2:
+                    architectures: set[str]) -> dict[str, int | None]:
+    """The DFlash2 keys of a DFlash2 or LiLiCorr config, ints or None where missing
+    (DFlashConfig names those); {} for other architectures."""
+    if not architectures:
         return {}
     values = {key: _draft(d, dflash_config, key) for key in DFLASH2_KEYS}
-    if all(value is None for value in values.values()):
+    if LILICORR in architectures:  # vLLM reads 0 as no convolutions there
+        values |= {key: values[key] or None for key in CONV_KEYS}
+    if DFLASH2 in architectures and all(value is None for value in values.values()):
         raise DFlashConfigError(
             f"architectures {[DFLASH2]} but none of {list(DFLASH2_KEYS)} is in dflash_config; "
             "fix: add them from the checkpoint's training config"

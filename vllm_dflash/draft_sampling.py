@@ -10,9 +10,9 @@ Per request of the batch:
     seeded request (T > 0, seed):  d = argmax, q = one-hot: its output must depend only on its
                                    own generator, which the drafts would otherwise consume
     other request (T > 0):         q = softmax(logits / T), d ~ q (exponential race)
-The target's top-k / top-p are not applied to q: any q keeps the output exact. A DFlash2
-drafter's drafts come from its candidate selector's walk instead (`select_drafts`), by the same
-rules per request: q is then spread over each position's candidates.
+The target's top-k / top-p are not applied to q: any q keeps the output exact. A DFlash2 or
+LiLiCorr drafter's drafts come from its candidate selector's walk instead (`select_drafts`), by
+the same rules per request: q is then spread over each position's candidates.
 """
 
 from typing import Any, NamedTuple
@@ -21,7 +21,9 @@ import torch
 
 from vllm_dflash.kernels.argmax import argmax_rows
 from vllm_dflash.layers import exponential_
-from vllm_dflash.model import CandidateSelector, walk
+from vllm_dflash.model import CandidateSelector, LiLiCorrHead, SelectorInputs, walk
+
+Selector = CandidateSelector | LiLiCorrHead
 
 
 class DraftSampling(NamedTuple):
@@ -56,14 +58,14 @@ def sample_drafts(logits: torch.Tensor,
     return tokens, probs
 
 
-def select_drafts(selector: CandidateSelector, hidden: torch.Tensor, logits: torch.Tensor,
-                  anchors: torch.Tensor, sampling: DraftSampling | None
+def select_drafts(selector: Selector, hidden: torch.Tensor, logits: torch.Tensor,
+                  inputs: SelectorInputs, sampling: DraftSampling | None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A DFlash2 drafter's drafts: the candidate selector's walk from the anchors [B], greedy,
-    or for the requests `sampling` marks drawn at each position from q = softmax(edge scores
-    / T) over that position's candidates. -> tokens [B, K] and, when sampling, q [B, K, V]
-    (zero outside the candidates; one-hot for the other requests)."""
-    candidates, scores = selector.edge_scores(hidden, logits, anchors)
+    """A DFlash2 or LiLiCorr drafter's drafts: the candidate selector's walk from the anchors,
+    greedy, or for the requests `sampling` marks drawn at each position from q = softmax(edge
+    scores / T) over that position's candidates. -> tokens [B, K] and, when sampling, q
+    [B, K, V] (zero outside the candidates; one-hot for the other requests)."""
+    candidates, scores = selector.edge_scores(hidden, logits, inputs)
     greedy = scores.argmax(dim=-1)
     if sampling is None:
         return walk(candidates, greedy)[0], None
@@ -83,17 +85,16 @@ def select_drafts(selector: CandidateSelector, hidden: torch.Tensor, logits: tor
     return tokens, probs
 
 
-def choose_drafts(selector: CandidateSelector | None, hidden: torch.Tensor,
-                  logits: torch.Tensor, anchors: torch.Tensor,
-                  sampling: DraftSampling | None = None
+def choose_drafts(selector: Selector | None, hidden: torch.Tensor, logits: torch.Tensor,
+                  inputs: SelectorInputs, sampling: DraftSampling | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draft tokens [B, K] from the drafter's hidden states [B, K, H] and logits [B, K, V]:
-    a DFlash2 drafter's selector walk from the anchors [B], else the argmax (output_multiplier
-    and softcapping are monotonic, so the target's logits give the drafter's argmax) or the
-    draws for the requests `sampling` marks; then their distributions q [B, K, V] when
-    sampling."""
+    a DFlash2 or LiLiCorr drafter's selector walk from the anchors, else the argmax
+    (output_multiplier and softcapping are monotonic, so the target's logits give the
+    drafter's argmax) or the draws for the requests `sampling` marks; then their
+    distributions q [B, K, V] when sampling."""
     if selector is not None:
-        return select_drafts(selector, hidden, logits, anchors, sampling)
+        return select_drafts(selector, hidden, logits, inputs, sampling)
     if sampling is None:
         return argmax_rows(logits), None
     return sample_drafts(logits, sampling)

@@ -7,6 +7,7 @@ attention goes through an `attend` callable, so the same weights run against den
 
 from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -117,8 +118,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attention_conv = GroupedConv(cfg) if cfg.is_dflash2 else None
-        self.mlp_conv = GroupedConv(cfg) if cfg.is_dflash2 else None
+        self.attention_conv = GroupedConv(cfg) if cfg.has_convs else None
+        self.mlp_conv = GroupedConv(cfg) if cfg.has_convs else None
 
     def forward(self, h: torch.Tensor, rope: RopeTables, attend: LayerAttend,
                 block_len: int | None = None) -> torch.Tensor:
@@ -138,6 +139,16 @@ def convolved(conv: GroupedConv | None, sublayer: Callable[[torch.Tensor], torch
         raise ValueError("a DFlash2 drafter's forward needs block_len")
     x, dynamic = conv.prepare(x, block_len)
     return conv.finish(sublayer(x), dynamic, block_len)
+
+
+class SelectorInputs(NamedTuple):
+    """What a candidate selector reads beside the drafter's hidden states and logits."""
+
+    anchors: torch.Tensor  # [B] anchor token ids (DFlash2's first edges start there)
+    # LiLiCorr: [B, H] fused context state (DFlashDrafter.fuse) of each request's last
+    # accepted token, and the target's embedding (token ids -> [..., H]).
+    anchor_states: torch.Tensor | None = None
+    embed: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class CandidateSelector(nn.Module):
@@ -162,16 +173,136 @@ class CandidateSelector(nn.Module):
         succ = F.embedding(candidates, self.successor_codebook).float()
         return unary.float()[..., None, :] + pred @ succ.transpose(-1, -2)
 
-    def edge_scores(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor
+    def edge_scores(self, hidden: torch.Tensor, logits: torch.Tensor, inputs: SelectorInputs
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [B, K, H], logits [B, K, V], anchors [B] -> candidates [B, K, k] and fp32
-        scores [B, K, k, k]: [b, p, i, j] for the edge from the previous position's i-th
-        candidate (the anchor at p = 0, every i) to this position's j-th."""
+        """hidden [B, K, H], logits [B, K, V] -> candidates [B, K, k] and fp32 scores
+        [B, K, k, k]: [b, p, i, j] for the edge from the previous position's i-th candidate
+        (the anchor at p = 0, every i) to this position's j-th."""
         # topk in the logits' dtype (fp32 conversion is exact): no fp32 copy of [B, K, V].
         unary, candidates = logits.topk(self.top_k, dim=-1, sorted=False)
-        previous = torch.cat([anchors.view(-1, 1, 1).expand(-1, 1, self.top_k),
+        previous = torch.cat([inputs.anchors.view(-1, 1, 1).expand(-1, 1, self.top_k),
                               candidates[:, :-1]], dim=1)
         return candidates, self.scores(hidden, previous, candidates, unary)
+
+
+class LatticeLayer(nn.Module):
+    """One pre-norm transformer layer over a LiLiCorr candidate lattice: full attention with a
+    learned per-head additive bias (no mask, no KV cache), then a plain (ungated) MLP."""
+
+    def __init__(self, hidden: int, num_heads: int, mlp_hidden: int, eps: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.attn_norm = RMSNorm(hidden, eps)
+        self.attn = nn.Module()  # checkpoint keys: attn.in_proj_weight, attn.in_proj_bias, ...
+        self.attn.in_proj_weight = nn.Parameter(torch.empty(3 * hidden, hidden))
+        self.attn.in_proj_bias = nn.Parameter(torch.empty(3 * hidden))
+        self.attn.out_proj = nn.Linear(hidden, hidden)
+        self.mlp_norm = RMSNorm(hidden, eps)
+        self.mlp = nn.Module()
+        self.mlp.up_proj = nn.Linear(hidden, mlp_hidden)
+        self.mlp.down_proj = nn.Linear(mlp_hidden, hidden)
+
+    def forward(self, h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """h [B, L, hidden], bias [heads, L, L] -> [B, L, hidden]."""
+        batch, length, hidden = h.shape
+        qkv = F.linear(self.attn_norm(h), self.attn.in_proj_weight, self.attn.in_proj_bias)
+        q, k, v = (x.view(batch, length, self.num_heads, -1).transpose(1, 2)
+                   for x in qkv.chunk(3, dim=-1))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None])
+        h = h + self.attn.out_proj(out.transpose(1, 2).reshape(batch, length, hidden))
+        return h + self.mlp.down_proj(F.silu(self.mlp.up_proj(self.mlp_norm(h))))
+
+
+class LiLiCorrHead(nn.Module):
+    """LiLiCorr's draft choice. Each draft position keeps its top_k tokens; a transformer reads
+    the whole lattice of (position, candidate) pairs (token embedding, the drafter's hidden
+    state there, the candidate's log-prob features) and gives every candidate an outgoing and
+    an incoming unit vector, conditioned on the anchor's context state. An edge from candidate
+    i at position p - 1 to candidate j at p scores logit_scale * <out[p-1, i], in[p, j]>; the
+    anchor's own vector scores the first position. The drafts are the walk along these edges
+    (the same walk as DFlash2's)."""
+
+    NUM_FEATURES = 5  # log-prob, prob, log-prob minus the position's best, rank / (k-1), top-1
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        lc = cfg.lilicorr
+        self.top_k, self.logit_scale, self.eps = lc.candidate_topk, lc.logit_scale, lc.vector_eps
+        self.block_size = cfg.block_size
+        hidden, slots = lc.hidden_size, cfg.block_size - 1
+        # Linear layers with bias, as vLLM's ReplicatedLinear; token_proj only when the widths
+        # differ (the checkpoint has no key otherwise).
+        self.token_proj = nn.Identity() if hidden == cfg.hidden_size else nn.Linear(
+            cfg.hidden_size, hidden)
+        self.pass_hidden_proj = nn.Linear(cfg.hidden_size, hidden)
+        self.context_proj = nn.Linear(cfg.hidden_size, hidden)
+        self.feature_norm = nn.LayerNorm(self.NUM_FEATURES)
+        self.feature_mlp = nn.Module()
+        self.feature_mlp.up_proj = nn.Linear(self.NUM_FEATURES, hidden)
+        self.feature_mlp.down_proj = nn.Linear(hidden, hidden)
+        self.slot_embedding = nn.Parameter(torch.zeros(1, 1, slots, 1, hidden))
+        self.rank_embedding = nn.Parameter(torch.zeros(1, 1, 1, self.top_k, hidden))
+        self.relative_slot_bias = nn.Parameter(torch.zeros(lc.num_heads, 2 * cfg.block_size - 1))
+        self.same_slot_bias = nn.Parameter(torch.zeros(lc.num_heads))
+        self.layers = nn.ModuleList(
+            LatticeLayer(hidden, lc.num_heads, int(hidden * lc.mlp_ratio), cfg.rms_norm_eps)
+            for _ in range(lc.num_layers))
+        self.output_norm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.anchor_norm = RMSNorm(hidden, cfg.rms_norm_eps)
+        # Reads [state, anchor, state * anchor].
+        self.factor_input_proj = nn.Linear(3 * hidden, hidden)
+        self.out_head = nn.Linear(hidden, lc.factor_dim)
+        self.in_head = nn.Linear(hidden, lc.factor_dim)
+        self.anchor_out_head = nn.Linear(hidden, lc.factor_dim)
+
+    def attention_bias(self, num_slots: int) -> torch.Tensor:
+        """[heads, L, L] over the lattice flattened slot-major (L = num_slots * top_k): a learned
+        weight per slot distance (indexed as trained at block_size - 1 slots, so a shorter
+        draft reads the same weights), plus one for two candidates of the same slot."""
+        slot = torch.arange(num_slots, device=self.same_slot_bias.device)
+        slot = slot.repeat_interleave(self.top_k)
+        distance = slot[:, None] - slot[None, :]
+        same = (distance == 0).to(self.same_slot_bias.dtype)
+        return (self.relative_slot_bias[:, distance + self.block_size - 1]
+                + same * self.same_slot_bias[:, None, None])
+
+    def features(self, log_probs: torch.Tensor) -> torch.Tensor:
+        """[B, S, k] candidate log-probs (in rank order) -> [B, S, k, 5] fp32."""
+        k = self.top_k
+        rank = torch.arange(k, device=log_probs.device, dtype=torch.float32) / max(k - 1, 1)
+        top1 = (torch.arange(k, device=log_probs.device) == 0).float()
+        return torch.stack([log_probs, log_probs.exp(),
+                            log_probs - log_probs.amax(dim=-1, keepdim=True),
+                            rank.expand_as(log_probs), top1.expand_as(log_probs)], dim=-1)
+
+    def edge_scores(self, hidden: torch.Tensor, logits: torch.Tensor, inputs: SelectorInputs
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As CandidateSelector.edge_scores; reads inputs.anchor_states and inputs.embed."""
+        batch, num_slots = hidden.shape[:2]
+        # Candidates in rank order, with log-probs over the whole vocabulary.
+        log_probs = logits.float().log_softmax(dim=-1)
+        log_probs, candidates = log_probs.topk(self.top_k, dim=-1)
+        dtype = self.slot_embedding.dtype
+        h = (self.token_proj(inputs.embed(candidates).to(dtype))
+             + self.pass_hidden_proj(hidden.to(dtype))[:, :, None]
+             + self.feature_mlp.down_proj(F.silu(self.feature_mlp.up_proj(
+                 self.feature_norm(self.features(log_probs).to(dtype)))))
+             + self.slot_embedding[:, 0, :num_slots] + self.rank_embedding[:, 0])
+        h = h.reshape(batch, num_slots * self.top_k, -1)
+        bias = self.attention_bias(num_slots).to(dtype)
+        for layer in self.layers:
+            h = layer(h, bias)
+        h = self.output_norm(h).view(batch, num_slots, self.top_k, -1)
+        anchor = self.anchor_norm(self.context_proj(inputs.anchor_states.to(dtype)))
+        a = anchor[:, None, None]
+        factors = F.silu(self.factor_input_proj(torch.cat([h, a.expand_as(h), h * a], dim=-1)))
+        out_vec = F.normalize(self.out_head(factors), dim=-1, eps=self.eps)
+        in_vec = F.normalize(self.in_head(factors), dim=-1, eps=self.eps)
+        anchor_out = F.normalize(self.anchor_out_head(anchor), dim=-1, eps=self.eps)
+        start = (anchor_out[:, None] * in_vec[:, 0]).sum(dim=-1)  # [B, k]
+        pairs = out_vec[:, :-1] @ in_vec[:, 1:].transpose(-1, -2)  # [B, S-1, k, k]
+        first = start[:, None, None, :].expand(-1, 1, self.top_k, -1)
+        return candidates, self.logit_scale * torch.cat([first, pairs], dim=1).float()
 
 
 def walk(candidates: torch.Tensor, next_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,10 +333,16 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.candidate_selector = CandidateSelector(cfg) if cfg.is_dflash2 else None
+        self.lilicorr = LiLiCorrHead(cfg) if cfg.lilicorr is not None else None
         self.scale = cfg.head_dim**-0.5
         # Not a buffer: keeps state_dict() equal to the checkpoint keys, and lets a model built
         # on the meta device get its table on first use.
         self._cos_sin: torch.Tensor | None = None
+
+    @property
+    def selector(self) -> CandidateSelector | LiLiCorrHead | None:
+        """The head that chooses the drafts among each position's candidates, if any."""
+        return self.candidate_selector if self.lilicorr is None else self.lilicorr
 
     def rope_cache(self, device: torch.device, min_positions: int = 0) -> torch.Tensor:
         """[P, head_dim] fp32 cos|sin table, P = max(max_position_embeddings, min_positions),

@@ -200,21 +200,11 @@ def _patch_engine_args() -> None:
 def _patch_v1_draft_checks() -> None:
     # vLLM refuses two kinds of DFlash drafter on the V1 runner, where its own proposer cannot
     # run them: mixed sliding/full layers (it would need a KV cache group per kind) and
-    # candidate heads (it would ignore the head). vllm-dflash keeps every draft layer in one
-    # group (a sliding layer masks by its window) and runs a DFlash2 head; other heads stay
-    # refused, by DFlashConfig's check before these.
+    # candidate heads, DFlash2's and LiLiCorr's (it would ignore the head). vllm-dflash keeps
+    # every draft layer in one group (a sliding layer masks by its window) and runs both heads.
     from vllm.config import VllmConfig
 
-    from vllm_dflash.config import DFLASH2
-
-    is_candidate_draft = VllmConfig._is_dflash_candidate_draft
-
-    def is_unsupported_candidate_draft(self) -> bool:
-        draft = getattr(self.speculative_config, "draft_model_config", None)
-        architectures = set(getattr(draft, "architectures", None) or ())
-        return is_candidate_draft(self) and architectures != {DFLASH2}
-
-    VllmConfig._is_dflash_candidate_draft = is_unsupported_candidate_draft
+    VllmConfig._is_dflash_candidate_draft = lambda self: False
     VllmConfig._dflash_needs_multi_kv_group = lambda self: False
 
 

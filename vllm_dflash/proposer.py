@@ -44,7 +44,7 @@ from vllm_dflash.draft_sampling import DraftSampling, choose_drafts, draft_sampl
 from vllm_dflash.kernels import _compiled
 from vllm_dflash.kernels.draft_attention import DraftBatch, draft_attention, draft_attention_path
 from vllm_dflash.kernels.kv_injection import kv_injection
-from vllm_dflash.model import Attend, DFlashDrafter
+from vllm_dflash.model import Attend, DFlashDrafter, SelectorInputs
 
 logger = logging.getLogger("vllm.vllm_dflash")  # inherits vLLM's log handler
 PROFILE_STOP_S = 0.5
@@ -356,7 +356,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
             # vLLM's drafters.
             target_positions = target_positions[0]
         num_tokens = target_positions.shape[0]
-        self.inject_context(
+        ctx = self.inject_context(
             target_hidden_states[:num_tokens], target_positions, cad.slot_mapping[:num_tokens]
         )
         if num_speculative_tokens == 0:
@@ -378,11 +378,16 @@ class DFlashProposer(SpecDecodeBaseProposer):
         )
         sampling = (draft_sampling(sampling_metadata, batch.context_lens.shape[0])
                     if self._enable_probabilistic_draft_probs else None)
-        return self.draft_tokens(next_token_ids, batch, num_speculative_tokens, sampling)
+        # LiLiCorr's head reads the context state of each request's last accepted token.
+        anchor_states = ctx[last_valid.long()] if self.drafter.lilicorr is not None else None
+        return self.draft_tokens(next_token_ids, batch, num_speculative_tokens, sampling,
+                                 anchor_states)
 
     def inject_context(
         self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
+    ) -> torch.Tensor:
+        """Writes the drafter's context K/V of the target's tokens; returns their fused
+        context states [T, H]."""
         if self.feature_order is not None:
             chunks = features.view(features.shape[0], -1, self.dflash_config.hidden_size)
             features = chunks[:, self.feature_order].flatten(1)
@@ -392,9 +397,11 @@ class DFlashProposer(SpecDecodeBaseProposer):
             self.dflash_config.rms_norm_eps, self.cos_sin_cache,
             [layer.kv_cache for layer in self.kv_layers],
         )
+        return ctx
 
     def draft_tokens(self, anchor_ids: torch.Tensor, batch: DraftBatch, num_draft: int,
-                     sampling: DraftSampling | None = None) -> torch.Tensor:
+                     sampling: DraftSampling | None = None,
+                     anchor_states: torch.Tensor | None = None) -> torch.Tensor:
         """[B] anchors -> [B, num_draft] draft tokens. The drafter's pass is replayed from a
         CUDA graph when one fits the batch. Sampled drafts leave their distributions for
         take_last_draft_probs, where vLLM's runner reads them for verification."""
@@ -402,19 +409,24 @@ class DFlashProposer(SpecDecodeBaseProposer):
         if hidden is None:
             hidden = self.draft_hidden(anchor_ids, batch)
         tokens, self._last_draft_probs = self.choose_tokens(hidden[:, :num_draft], anchor_ids,
-                                                            sampling)
+                                                            sampling, anchor_states)
         return tokens
 
     def choose_tokens(self, hidden: torch.Tensor, anchor_ids: torch.Tensor,
-                      sampling: DraftSampling | None = None
+                      sampling: DraftSampling | None = None,
+                      anchor_states: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, k, hidden] -> [B, k] tokens through the target's lm_head (and a DFlash2
-        drafter's candidate selector, which starts from the anchors [B]), greedy or drawn for
-        the requests `sampling` marks, and then their distributions [B, k, V]."""
+        """[B, k, hidden] -> [B, k] tokens through the target's lm_head (and a DFlash2 or
+        LiLiCorr drafter's candidate selector, which starts from the anchors [B] and, for
+        LiLiCorr, their context states [B, H]), greedy or drawn for the requests `sampling`
+        marks, and then their distributions [B, k, V]."""
         num_reqs, k = hidden.shape[:2]
         logits = self.logits(hidden.flatten(0, 1)).view(num_reqs, k, -1)
-        return choose_drafts(self.drafter.candidate_selector, hidden, logits, anchor_ids,
-                             sampling)
+        if anchor_states is None and self.drafter.lilicorr is not None:
+            # Profiling and dummy runs: shapes only, no context yet.
+            anchor_states = hidden.new_zeros(num_reqs, hidden.shape[-1])
+        inputs = SelectorInputs(anchor_ids, anchor_states, self.embed)
+        return choose_drafts(self.drafter.selector, hidden, logits, inputs, sampling)
 
     def draft_hidden(self, anchor_ids: torch.Tensor, batch: DraftBatch) -> torch.Tensor:
         """[B] anchors -> [B, K, hidden] drafter outputs at the block's K mask positions."""

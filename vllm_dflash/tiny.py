@@ -8,6 +8,7 @@ drafter in the z-lab format.
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -157,12 +158,13 @@ def write_random_drafter(
     num_kv_heads: int | None = None,
     seed: int = 0,
     sliding: tuple[list[str], int] | None = None,
-    dflash2: dict[str, int] | None = None,
+    head: dict[str, Any] | None = None,
 ) -> DFlashConfig:
     """Random DFlash drafter for the target in target_dir (same hidden size, head_dim 64); of a
     multimodal target, for its language model (`text_config`). sliding: (layer_types,
-    sliding_window) for sliding-window layers. dflash2: the DFlash2 keys
-    (conv_kernel_size, conv_group_size, selector_rank, selector_top_k) for a DFlash2 drafter."""
+    sliding_window) for sliding-window layers. head: DFlashConfig fields of a DFlash2 drafter
+    (conv_kernel_size, conv_group_size, selector_rank, selector_top_k) or of a LiLiCorr one
+    (lilicorr=LiLiCorrConfig(...), convolutions optional)."""
     target_dir = Path(target_dir)
     target = json.loads((target_dir / "config.json").read_text())
     target = {"dtype": target.get("dtype"), **target.get("text_config", target)}
@@ -187,7 +189,7 @@ def write_random_drafter(
         target_layer_ids=target_layer_ids
         or spread_layer_ids(target["num_hidden_layers"], num_layers),
         num_target_layers=target["num_hidden_layers"],
-        **(dflash2 or {}),
+        **(head or {}),
     )
     drafter = random_drafter(cfg, seed).to(resolve_dtype(target["dtype"] or "float32"))
     save_drafter(drafter, out_dir)

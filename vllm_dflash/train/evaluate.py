@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 from vllm_dflash.draft_sampling import choose_drafts
-from vllm_dflash.model import DFlashDrafter
+from vllm_dflash.model import DFlashDrafter, SelectorInputs
 from vllm_dflash.train.features import target_features
 from vllm_dflash.train.forward import draft_pass
 
@@ -34,7 +34,7 @@ def draft_block(
         target.get_output_embeddings().weight,
     )
     drafts, _ = choose_drafts(drafter.candidate_selector, hidden[None, 1:], logits[None, 1:],
-                              block_ids[:1])
+                              SelectorInputs(block_ids[:1]))
     return drafts[0].tolist()
 
 
