@@ -74,10 +74,12 @@ def test_config_errors_name_the_key(make_config, change: dict, message: str) -> 
     assert message in str(err.value)
 
 
-def test_own_lm_head_is_refused(make_config) -> None:
-    d = lilicorr_config(make_config).to_dict() | {"has_own_lm_head": True}
-    with pytest.raises(DFlashConfigError, match="has_own_lm_head.*not supported.*fix:"):
-        DFlashConfig.from_dict(d)
+def test_own_lm_head_is_read_for_lilicorr_only(make_config) -> None:
+    cfg = lilicorr_config(make_config, has_own_lm_head=True)
+    assert cfg.to_dict()["has_own_lm_head"] is True
+    assert DFlashConfig.from_dict(cfg.to_dict()) == cfg
+    dflash = make_config().to_dict() | {"has_own_lm_head": True}
+    assert not DFlashConfig.from_dict(dflash).has_own_lm_head
 
 
 # ---------------------------------------------------------------------------- the head
@@ -128,13 +130,15 @@ def test_head_matches_vllm(make_config, tmp_path: Path, head_width: int, num_slo
 
 
 def test_checkpoint_round_trip(make_config, tmp_path: Path) -> None:
-    cfg = lilicorr_config(make_config, conv_kernel_size=3, conv_group_size=32)
+    cfg = lilicorr_config(make_config, conv_kernel_size=3, conv_group_size=32,
+                          has_own_lm_head=True)
     drafter = random_drafter(cfg, seed=4)
     save_drafter(drafter, tmp_path)
     loaded = load_drafter(tmp_path)
     assert loaded.cfg == cfg and loaded.selector is loaded.lilicorr
     keys = set(loaded.state_dict())
-    assert "lilicorr.layers.1.attn.in_proj_weight" in keys and "lilicorr.token_proj.weight" in keys
+    assert {"lilicorr.layers.1.attn.in_proj_weight", "lilicorr.token_proj.weight",
+            "lm_head.weight"} <= keys
     for key, value in drafter.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
 
@@ -151,7 +155,14 @@ def pair(tmp_path_factory) -> Pair:
     write_random_drafter(root / "drafter", target, block_size=8,
                          head={"lilicorr": LILICORR, "conv_kernel_size": 3,
                                "conv_group_size": 16})
+    write_random_drafter(root / "drafter-own-lm-head", target, block_size=8,
+                         head={"lilicorr": LILICORR, "has_own_lm_head": True})
     return Pair(target=target, drafter=root / "drafter", block_size=8)
+
+
+def _logits_source(worker) -> str:
+    drafter = worker.model_runner.drafter
+    return "own" if drafter.logits is drafter.drafter.lm_head else "target"
 
 
 @pytest.fixture(scope="module")
@@ -167,10 +178,12 @@ def baseline(pair, prompts) -> list[list[int]]:
     return result
 
 
-@pytest.mark.parametrize("speculative", [{}, {"draft_sample_method": "probabilistic"}],
-                         ids=["greedy-drafts", "probabilistic-drafts"])
+@pytest.mark.parametrize("speculative, drafter", [
+    ({}, "drafter"),
+    ({"draft_sample_method": "probabilistic"}, "drafter-own-lm-head"),
+], ids=["greedy-drafts", "probabilistic-drafts-own-lm-head"])
 def test_engine_is_lossless_and_reproducible(pair, prompts, baseline, speculative: dict,
-                                             monkeypatch) -> None:
+                                             drafter: str, monkeypatch) -> None:
     from vllm import SamplingParams
 
     import vllm_dflash.draft_sampling
@@ -185,7 +198,9 @@ def test_engine_is_lossless_and_reproducible(pair, prompts, baseline, speculativ
         return select(selector, hidden, logits, inputs, sampling)
 
     monkeypatch.setattr(vllm_dflash.draft_sampling, "select_drafts", counted_select)
+    pair = replace(pair, drafter=pair.drafter.parent / drafter)
     llm = dflash_llm(pair, num_speculative_tokens=5, speculative=speculative, max_num_seqs=4)
+    assert llm.collective_rpc(_logits_source) == ["own" if "own" in drafter else "target"]
     alone = [generate_ids(llm, [p], max_tokens=40, ignore_eos=True)[0] for p in prompts]
     assert alone == baseline
     assert generate_ids(llm, prompts, max_tokens=40, ignore_eos=True) == baseline

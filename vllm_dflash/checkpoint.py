@@ -10,7 +10,14 @@ from vllm_dflash.config import DFlashConfig, DFlashConfigError, resolve_dtype
 from vllm_dflash.model import DFlashDrafter
 
 # Served from the target model; some checkpoints still carry copies, which are ignored.
+# Copies of the target's tables that some checkpoints carry; the drafter reads the target's.
 SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
+
+
+def is_shared(key: str, cfg: DFlashConfig) -> bool:
+    """A weight the drafter takes from its target (a LiLiCorr drafter may own its lm_head)."""
+    return key.startswith(SHARED_PREFIXES) and not (
+        cfg.has_own_lm_head and key.startswith("lm_head."))
 SHAPE_FIX = (
     "fix: make config.json match the weights (hidden_size, intermediate_size, num_hidden_layers, "
     "num_attention_heads, num_key_value_heads, head_dim, target_layer_ids) or re-save the "
@@ -83,7 +90,7 @@ def load_drafter(
     checkpoint's (fp32/fp16/bf16)."""
     path = drafter_dir(path)
     cfg = DFlashConfig.from_pretrained(path)
-    state = _read_weights(path)
+    state = _read_weights(path, cfg)
     # Meta device: no time spent on a random init that the checkpoint overwrites.
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)
@@ -105,7 +112,7 @@ def save_drafter(drafter: DFlashDrafter, path: str | Path) -> None:
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
 
 
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+def _read_weights(path: Path, cfg: DFlashConfig) -> dict[str, torch.Tensor]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise DFlashConfigError(
@@ -115,7 +122,7 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(file))
-    return {key: value for key, value in state.items() if not key.startswith(SHARED_PREFIXES)}
+    return {key: value for key, value in state.items() if not is_shared(key, cfg)}
 
 
 def _check_weights(drafter: DFlashDrafter, state: dict[str, torch.Tensor], path: Path) -> None:

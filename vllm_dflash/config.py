@@ -162,8 +162,10 @@ class DFlashConfig:
     conv_group_size: int | None = None
     selector_rank: int | None = None
     selector_top_k: int | None = None
-    # LiLiCorr: the candidate-lattice head instead of DFlash2's selector (convolutions optional).
+    # LiLiCorr: the candidate-lattice head instead of DFlash2's selector (convolutions optional),
+    # and candidates from the drafter's own lm_head (lm_head.weight) instead of the target's.
     lilicorr: LiLiCorrConfig | None = None
+    has_own_lm_head: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -285,12 +287,6 @@ class DFlashConfig:
         softcap = _draft(d, dc, "final_logit_softcapping")
         lilicorr = None
         if LILICORR in architectures:
-            if d.get("has_own_lm_head"):
-                raise DFlashConfigError(
-                    f"a {LILICORR} checkpoint with its own lm_head (has_own_lm_head) is not "
-                    "supported by vllm-dflash yet: its candidates come from the target's "
-                    "lm_head; fix: use a checkpoint without has_own_lm_head, or "
-                    "VLLM_DFLASH_IMPL=vllm with Model Runner V2 on a GPU")
             lilicorr = LiLiCorrConfig.from_dflash_config(dc, _required(d, "hidden_size"))
         return cls(
             hidden_size=_required(d, "hidden_size"),
@@ -320,6 +316,8 @@ class DFlashConfig:
             input_embedding_scale=float(_draft(d, dc, "input_embedding_scale", 1.0)),
             **_dflash2_fields(d, dc, architectures & {DFLASH2, LILICORR}),
             lilicorr=lilicorr,
+            # vLLM reads it for LiLiCorr drafters only.
+            has_own_lm_head=lilicorr is not None and bool(d.get("has_own_lm_head", False)),
         )
 
     @classmethod
@@ -349,12 +347,13 @@ class DFlashConfig:
         if self.is_dflash2 or self.has_convs:
             dflash_config |= {key: getattr(self, key) for key in DFLASH2_KEYS
                               if getattr(self, key) is not None}
+        top_level: dict[str, Any] = {}
         if self.lilicorr is not None:
             dflash_config |= self.lilicorr.to_dflash_config()
-        causal: dict[str, Any] = {}
+            top_level["has_own_lm_head"] = self.has_own_lm_head
         if self.causal is not None:
             dflash_config["causal"] = self.causal
-            causal["is_causal"] = self.causal  # the reference reads only the top-level flag
+            top_level["is_causal"] = self.causal  # the reference reads only the top-level flag
         return {
             "architectures": [self.architecture],
             "model_type": "qwen3",
@@ -378,7 +377,7 @@ class DFlashConfig:
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
             "dflash_config": dflash_config,
-            **causal,
+            **top_level,
         }
 
 

@@ -322,7 +322,8 @@ def walk(candidates: torch.Tensor, next_index: torch.Tensor) -> tuple[torch.Tens
 class DFlashDrafter(nn.Module):
     """Parameter names are the z-lab checkpoint keys, so `load_state_dict` takes them as is.
 
-    Embedding and lm_head belong to the target and are passed in (`embed`, `logits`).
+    Embedding and lm_head belong to the target and are passed in (`embed`, `logits`); a LiLiCorr
+    drafter may have its own lm_head (`has_own_lm_head`), which then gives its logits.
     """
 
     def __init__(self, cfg: DFlashConfig) -> None:
@@ -334,6 +335,8 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.candidate_selector = CandidateSelector(cfg) if cfg.is_dflash2 else None
         self.lilicorr = LiLiCorrHead(cfg) if cfg.lilicorr is not None else None
+        self.lm_head = (nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+                        if cfg.has_own_lm_head else None)
         self.scale = cfg.head_dim**-0.5
         # Not a buffer: keeps state_dict() equal to the checkpoint keys, and lets a model built
         # on the meta device get its table on first use.

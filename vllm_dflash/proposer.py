@@ -187,12 +187,12 @@ def check_weight_shapes(path: str | Path, cfg: DFlashConfig) -> None:
     path = Path(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        checkpoint._read_weights(path)  # raises its "no *.safetensors files" error
+        checkpoint._read_weights(path, cfg)  # raises its "no *.safetensors files" error
     state = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open has keys(), no __iter__)
-                if not key.startswith(checkpoint.SHARED_PREFIXES):
+                if not checkpoint.is_shared(key, cfg):
                     state[key] = torch.empty(f.get_slice(key).get_shape(), device="meta")
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)
@@ -282,6 +282,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
         ).eval()
         self.embed, self.logits = plugin.target_head(
             target_model, lora=self.vllm_config.lora_config is not None)
+        if self.drafter.lm_head is not None:  # a LiLiCorr drafter's own candidates' head
+            self.logits = self.drafter.lm_head
         self.kv_weight = self.drafter.kv_weight()
         self.k_norm_weight = self.drafter.k_norm_weight()
         if self.device.type == "cpu":
