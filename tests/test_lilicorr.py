@@ -95,38 +95,40 @@ def random_head_inputs(cfg: DFlashConfig, num_reqs: int, num_slots: int, seed: i
     return hidden, logits, SelectorInputs(anchors, anchor_states, lambda ids: table[ids])
 
 
-@pytest.mark.parametrize("head_width, num_slots", [(64, 7), (64, 3), (128, 5)],
-                         ids=["own-width-full-block", "own-width-short-draft", "drafter-width"])
 @torch.inference_mode()
-def test_head_matches_vllm(make_config, tmp_path: Path, head_width: int, num_slots: int) -> None:
-    """Edge scores equal vLLM 0.32's LiLiCorrHead on the same weights and inputs (its
-    token_proj exists only when the head is narrower than the drafter)."""
-    cfg = lilicorr_config(make_config, lilicorr=replace(LILICORR, hidden_size=head_width))
-    head = random_drafter(cfg, seed=1).lilicorr
-    gen = torch.Generator().manual_seed(2)
-    for param in head.parameters():  # larger than the random drafter's, so every part counts
-        param.copy_(0.3 * torch.randn(param.shape, generator=gen))
-    hidden, logits, inputs = random_head_inputs(cfg, num_reqs=3, num_slots=num_slots, seed=3)
-    candidates, scores = head.edge_scores(hidden, logits, inputs)
-    log_probs, ids = logits.log_softmax(dim=-1).topk(LILICORR.candidate_topk, dim=-1)
-    assert torch.equal(candidates, ids)
-    config = {f"lilicorr_{key}": getattr(cfg.lilicorr, key) for key in LiLiCorrConfig.KEYS}
-    torch.save({"model_hidden_size": cfg.hidden_size, "block_size": cfg.block_size,
-                "eps": cfg.rms_norm_eps, "config": config, "state": head.state_dict(),
-                "args": (inputs.embed(ids), log_probs, hidden, inputs.anchor_states,
-                         torch.ones(3, dtype=torch.bool))},
-               tmp_path / "inputs.pt")
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.vllm_lilicorr_head", str(tmp_path / "inputs.pt"),
-         str(tmp_path / "scores.pt")],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-        timeout=300, check=False)
+def test_head_matches_vllm(make_config, tmp_path: Path) -> None:
+    """Edge scores equal vLLM 0.32's LiLiCorrHead on the same weights and inputs: a head
+    narrower than the drafter (vLLM's token_proj then exists) and as wide, drafts of the full
+    block and shorter ones."""
+    cases = {"narrow-full-block": (64, 7), "narrow-short-draft": (64, 3), "wide": (128, 5)}
+    ours, paths = {}, []
+    for name, (head_width, num_slots) in cases.items():
+        cfg = lilicorr_config(make_config, lilicorr=replace(LILICORR, hidden_size=head_width))
+        head = random_drafter(cfg, seed=1).lilicorr
+        gen = torch.Generator().manual_seed(2)
+        for param in head.parameters():  # larger than the random drafter's: every part counts
+            param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+        hidden, logits, inputs = random_head_inputs(cfg, num_reqs=3, num_slots=num_slots, seed=3)
+        candidates, scores = head.edge_scores(hidden, logits, inputs)
+        log_probs, ids = logits.log_softmax(dim=-1).topk(LILICORR.candidate_topk, dim=-1)
+        assert torch.equal(candidates, ids)
+        # The scores choose: the walk's drafts are not the logits' argmax everywhere.
+        assert (walk(candidates, scores.argmax(dim=-1))[0] != logits.argmax(dim=-1)).any()
+        ours[name] = scores
+        config = {f"lilicorr_{key}": getattr(cfg.lilicorr, key) for key in LiLiCorrConfig.KEYS}
+        torch.save({"model_hidden_size": cfg.hidden_size, "block_size": cfg.block_size,
+                    "eps": cfg.rms_norm_eps, "config": config, "state": head.state_dict(),
+                    "args": (inputs.embed(ids), log_probs, hidden, inputs.anchor_states,
+                             torch.ones(3, dtype=torch.bool))},
+                   tmp_path / f"{name}.in.pt")
+        paths += [str(tmp_path / f"{name}.in.pt"), str(tmp_path / f"{name}.out.pt")]
+    result = subprocess.run([sys.executable, "-m", "tests.vllm_lilicorr_head", *paths],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
-    want = torch.load(tmp_path / "scores.pt")
-    torch.testing.assert_close(scores, want, atol=1e-4, rtol=1e-4)
-    # The scores choose: the walk's drafts are not the logits' argmax everywhere.
-    drafts, _ = walk(candidates, scores.argmax(dim=-1))
-    assert (drafts != logits.argmax(dim=-1)).any()
+    for name, scores in ours.items():
+        torch.testing.assert_close(scores, torch.load(tmp_path / f"{name}.out.pt"),
+                                   atol=1e-4, rtol=1e-4, msg=name)
 
 
 def test_checkpoint_round_trip(make_config, tmp_path: Path) -> None:
