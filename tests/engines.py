@@ -158,6 +158,33 @@ def alone_batched_structured(llm, prompts: list[dict], max_tokens: int,
     return {"alone": single, "batch": batch, "structured": structured}
 
 
+def greedy_baseline(target: Path, prompts: list, max_tokens: int, max_num_seqs: int) -> list:
+    """Greedy token ids of prompts from an engine without speculation (then freed)."""
+    llm = plain_llm(target, max_num_seqs=max_num_seqs)
+    result = generate_ids(llm, prompts, max_tokens=max_tokens, ignore_eos=True)
+    del llm
+    return result
+
+
+def assert_lossless_and_reproducible(llm, prompts: list, baseline: list, max_tokens: int,
+                                     num_speculative_tokens: int) -> None:
+    """Greedy output equals the baseline alone and batched, seeded sampling repeats itself,
+    unseeded T = 1 requests run to max_tokens, and every verification had K drafts."""
+    from vllm import SamplingParams
+
+    alone = [generate_ids(llm, [p], max_tokens=max_tokens, ignore_eos=True)[0] for p in prompts]
+    assert alone == baseline
+    assert generate_ids(llm, prompts, max_tokens=max_tokens, ignore_eos=True) == baseline
+    first, second = seeded_and_greedy_twice(llm, prompts, max_tokens=24)
+    assert first == second
+    unseeded = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=24,
+                                                    ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in unseeded] == [24] * len(prompts)
+    metrics = spec_metrics(llm)
+    assert metrics["drafts"] > 0
+    assert metrics["draft_tokens"] == num_speculative_tokens * metrics["drafts"]
+
+
 def generate_ids(llm, prompts: list, **params) -> list[list[int]]:
     from vllm import SamplingParams
 

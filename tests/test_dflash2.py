@@ -14,12 +14,10 @@ from transformers import Qwen3Config
 from tests.chi_square import assert_distribution
 from tests.engines import (
     Pair,
+    assert_lossless_and_reproducible,
     dflash_llm,
-    generate_ids,
-    plain_llm,
+    greedy_baseline,
     prompts_of_lengths,
-    seeded_and_greedy_twice,
-    spec_metrics,
 )
 from tests.test_model_parity import (
     NUM_TARGET_LAYERS,
@@ -199,18 +197,13 @@ def prompts(pair) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def baseline(pair, prompts) -> list[list[int]]:
-    llm = plain_llm(pair.target, max_num_seqs=4)
-    result = generate_ids(llm, prompts, max_tokens=40, ignore_eos=True)
-    del llm
-    return result
+    return greedy_baseline(pair.target, prompts, max_tokens=40, max_num_seqs=4)
 
 
 @pytest.mark.parametrize("speculative", [{}, {"draft_sample_method": "probabilistic"}],
                          ids=["greedy-drafts", "probabilistic-drafts"])
 def test_engine_is_lossless_and_reproducible(pair, prompts, baseline, speculative: dict,
                                              monkeypatch) -> None:
-    from vllm import SamplingParams
-
     import vllm_dflash.draft_sampling
 
     # Fixed K: a random drafter would have the adaptive policy switch drafting off.
@@ -224,15 +217,7 @@ def test_engine_is_lossless_and_reproducible(pair, prompts, baseline, speculativ
 
     monkeypatch.setattr(vllm_dflash.draft_sampling, "select_drafts", counted_select)
     llm = dflash_llm(pair, num_speculative_tokens=5, speculative=speculative, max_num_seqs=4)
-    alone = [generate_ids(llm, [p], max_tokens=40, ignore_eos=True)[0] for p in prompts]
-    assert alone == baseline
-    assert generate_ids(llm, prompts, max_tokens=40, ignore_eos=True) == baseline
-    first, second = seeded_and_greedy_twice(llm, prompts, max_tokens=24)
-    assert first == second
-    unseeded = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=24,
-                                                    ignore_eos=True), use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in unseeded] == [24] * len(prompts)
-    metrics = spec_metrics(llm)
-    assert metrics["drafts"] > 0 and metrics["draft_tokens"] == 5 * metrics["drafts"]
+    assert_lossless_and_reproducible(llm, prompts, baseline, max_tokens=40,
+                                     num_speculative_tokens=5)
     assert walks["greedy"] > 0
     assert (walks["sampled"] > 0) == bool(speculative)

@@ -13,12 +13,10 @@ import torch
 
 from tests.engines import (
     Pair,
+    assert_lossless_and_reproducible,
     dflash_llm,
-    generate_ids,
-    plain_llm,
+    greedy_baseline,
     prompts_of_lengths,
-    seeded_and_greedy_twice,
-    spec_metrics,
 )
 from vllm_dflash.checkpoint import load_drafter, save_drafter
 from vllm_dflash.config import DFlashConfig, DFlashConfigError, LiLiCorrConfig
@@ -174,10 +172,7 @@ def prompts(pair) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def baseline(pair, prompts) -> list[list[int]]:
-    llm = plain_llm(pair.target, max_num_seqs=4)
-    result = generate_ids(llm, prompts, max_tokens=40, ignore_eos=True)
-    del llm
-    return result
+    return greedy_baseline(pair.target, prompts, max_tokens=40, max_num_seqs=4)
 
 
 @pytest.mark.parametrize("speculative, drafter", [
@@ -186,8 +181,6 @@ def baseline(pair, prompts) -> list[list[int]]:
 ], ids=["greedy-drafts", "probabilistic-drafts-own-lm-head"])
 def test_engine_is_lossless_and_reproducible(pair, prompts, baseline, speculative: dict,
                                              drafter: str, monkeypatch) -> None:
-    from vllm import SamplingParams
-
     import vllm_dflash.draft_sampling
 
     monkeypatch.setenv("VLLM_DFLASH_DRAFT_LENGTH", "fixed")  # a random drafter: keep drafting
@@ -203,16 +196,8 @@ def test_engine_is_lossless_and_reproducible(pair, prompts, baseline, speculativ
     pair = replace(pair, drafter=pair.drafter.parent / drafter)
     llm = dflash_llm(pair, num_speculative_tokens=5, speculative=speculative, max_num_seqs=4)
     assert llm.collective_rpc(_logits_source) == ["own" if "own" in drafter else "target"]
-    alone = [generate_ids(llm, [p], max_tokens=40, ignore_eos=True)[0] for p in prompts]
-    assert alone == baseline
-    assert generate_ids(llm, prompts, max_tokens=40, ignore_eos=True) == baseline
-    first, second = seeded_and_greedy_twice(llm, prompts, max_tokens=24)
-    assert first == second
-    unseeded = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=24,
-                                                    ignore_eos=True), use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in unseeded] == [24] * len(prompts)
-    metrics = spec_metrics(llm)
-    assert metrics["drafts"] > 0 and metrics["draft_tokens"] == 5 * metrics["drafts"]
+    assert_lossless_and_reproducible(llm, prompts, baseline, max_tokens=40,
+                                     num_speculative_tokens=5)
     # Every drafting step chose through the LiLiCorr head, with the requests' context states.
     assert heads and {name for name, _, _ in heads} == {"LiLiCorrHead"}
     assert all(has_state for _, has_state, _ in heads)
