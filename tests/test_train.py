@@ -10,6 +10,7 @@ import torch
 
 from vllm_dflash.checkpoint import load_drafter
 from vllm_dflash.cli import build_parser
+from vllm_dflash.model import SelectorInputs
 from vllm_dflash.model import block_mask as inference_mask
 from vllm_dflash.tiny import MASK_TOKEN, random_drafter, write_random_target
 from vllm_dflash.train.blocks import (
@@ -17,6 +18,7 @@ from vllm_dflash.train.blocks import (
     block_loss,
     block_mask,
     default_gamma,
+    lattice_loss,
     loss_weights,
     sample_anchors,
     selector_loss,
@@ -29,6 +31,7 @@ from vllm_dflash.train.trainer import TrainConfig, Trainer, config_from_args, dr
 
 TEXT = (Path(os.__file__).parent / "textwrap.py").read_text()
 DFLASH2 = [2, 32, 8, 4]  # taps, channels per group, selector rank, candidates
+LILICORR = [4, 1, 2, 8]  # candidates, lattice layers, heads, factor dimension
 
 
 @pytest.fixture(scope="module")
@@ -159,13 +162,25 @@ def test_load_examples(target_dir, tmp_path):
 @pytest.fixture(scope="module")
 def dflash2_drafter(target_dir, target):
     cfg = TrainConfig(target=str(target_dir), data="", out="", layers=2, target_layer_ids=[1, 2],
-                      head=DFLASH2)
+                      dflash2=DFLASH2)
     return random_drafter(drafter_config(cfg, target, target.config.vocab_size - 1), seed=1)
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
-def test_speculative_greedy_equals_greedy_decoding(kind, drafter, dflash2_drafter, target):
-    drafter = drafter if kind == "dflash" else dflash2_drafter
+@pytest.fixture(scope="module")
+def lilicorr_drafter(target_dir, target):
+    cfg = TrainConfig(target=str(target_dir), data="", out="", layers=2, target_layer_ids=[1, 2],
+                      lilicorr=LILICORR)
+    drafter = random_drafter(drafter_config(cfg, target, target.config.vocab_size - 1), seed=1)
+    with torch.no_grad():  # a head that matters: its edges overrule the logits' order
+        for param in drafter.lilicorr.parameters():
+            param.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(2))
+    return drafter
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "lilicorr"])
+def test_speculative_greedy_equals_greedy_decoding(kind, drafter, dflash2_drafter,
+                                                   lilicorr_drafter, target):
+    drafter = {"dflash": drafter, "dflash2": dflash2_drafter, "lilicorr": lilicorr_drafter}[kind]
     prompt = torch.randint(2, 500, (12,), generator=torch.Generator().manual_seed(0)).tolist()
     ids, lengths = speculative_greedy(drafter, target, prompt, max_new_tokens=20)
     reference = target.generate(
@@ -312,6 +327,62 @@ def test_train_dflash2_loss_falls_and_checkpoint_loads(target_dir, tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"]
     torch.testing.assert_close(reference.candidate_selector.predecessor_codebook.weight.float(),
                                drafter.candidate_selector.predecessor_codebook)
+
+
+def test_lattice_loss_is_teacher_forced_ce_over_each_blocks_lattice(lilicorr_drafter):
+    head = lilicorr_drafter.lilicorr
+    B, H, V = 4, lilicorr_drafter.cfg.hidden_size, 512
+    gen = torch.Generator().manual_seed(0)
+    hidden, logits = torch.randn(2 * B, H, generator=gen), torch.randn(2 * B, V, generator=gen)
+    labels = torch.tensor([-100, 5, 6, 7, -100, 8, 9, 10])
+    logits[1, 5] = 50.0  # the first position's truth is a candidate; the others are not
+    table = torch.randn(V, H, generator=gen)
+    inputs = SelectorInputs(torch.tensor([11, 22]), torch.randn(2, H, generator=gen),
+                            lambda ids: table[ids])
+    weights = loss_weights(B, 2.0)
+    loss = lattice_loss(head, hidden, logits, labels, weights, inputs)
+    terms = []
+    for block in range(2):
+        rows = range(block * B + 1, block * B + B)
+        candidates, log_probs = [], []
+        for row in rows:
+            lp = logits[row].log_softmax(dim=-1)
+            top = lp.topk(head.top_k).indices
+            if int(labels[row]) not in top.tolist():
+                top[-1] = labels[row]
+            candidates.append(top)
+            log_probs.append(lp[top])
+        one = SelectorInputs(inputs.anchors[block:block + 1],
+                             inputs.anchor_states[block:block + 1], inputs.embed)
+        scores = head.scores(hidden[list(rows)][None], torch.stack(candidates)[None],
+                             torch.stack(log_probs)[None], one)[0]
+        previous = 0  # the anchor's row
+        for p, row in enumerate(rows):
+            truth = int((candidates[p] == labels[row]).int().argmax())
+            ce = torch.nn.functional.cross_entropy(scores[p, previous], torch.tensor(truth))
+            terms.append(weights[p] * ce)
+            previous = truth
+    torch.testing.assert_close(loss, torch.stack(terms).sum() / (2 * weights.sum()))
+
+
+def test_train_lilicorr_loss_falls_and_checkpoint_loads(target_dir, tmp_path):
+    argv = train_argv(target_dir, tmp_path, epochs=4) + ["--lilicorr", "4,1,2,8"]
+    cfg = config_from_args(build_parser().parse_args(argv))
+    stats = Trainer(cfg).run()
+    losses = [h["loss"] for h in stats["history"]]
+    assert losses[-1] < losses[0] - 0.2, losses
+    drafter = load_drafter(cfg.out, torch.float32)
+    assert drafter.cfg.architecture == "LiLiCorrDraftModel"
+    assert drafter.cfg.lilicorr.candidate_topk == 4 and drafter.cfg.lilicorr.num_layers == 1
+
+
+def test_head_options(target_dir, tmp_path):
+    argv = train_argv(target_dir, tmp_path, 1)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv + ["--lilicorr", "4,1"])
+    both = build_parser().parse_args(argv + ["--lilicorr", "4,1,2,8", "--dflash2", "2,32,8,4"])
+    with pytest.raises(ValueError, match="--dflash2 and --lilicorr.*fix: pass one"):
+        config_from_args(both)
 
 
 def test_dflash2_option_takes_four_numbers(target_dir, tmp_path):

@@ -96,19 +96,44 @@ class LiLiCorrConfig:
                 **{f"lilicorr_{key}": getattr(self, key) for key in self.KEYS}}
 
 
-def dflash2_option(text: str) -> list[int]:
-    """The value of a `--dflash2 TAPS,GROUP,RANK,TOP_K` command-line option (an argparse type)."""
+def _integers_option(text: str, metavar: str) -> list[int]:
     from argparse import ArgumentTypeError
 
     values = [int(x) for x in text.split(",")]
-    if len(values) != len(DFLASH2_KEYS):
-        raise ArgumentTypeError(f"takes {len(DFLASH2_KEYS)} integers: TAPS,GROUP,RANK,TOP_K")
+    if len(values) != len(metavar.split(",")):
+        raise ArgumentTypeError(f"takes {len(metavar.split(','))} integers: {metavar}")
     return values
+
+
+DFLASH2_METAVAR = "TAPS,GROUP,RANK,TOP_K"
+LILICORR_METAVAR = "TOP_K,LAYERS,HEADS,FACTOR_DIM"
+
+
+def dflash2_option(text: str) -> list[int]:
+    """The value of a `--dflash2 TAPS,GROUP,RANK,TOP_K` command-line option (an argparse type)."""
+    return _integers_option(text, DFLASH2_METAVAR)
+
+
+def lilicorr_option(text: str) -> list[int]:
+    """The value of a `--lilicorr TOP_K,LAYERS,HEADS,FACTOR_DIM` option (an argparse type)."""
+    return _integers_option(text, LILICORR_METAVAR)
 
 
 def dflash2_fields(values: list[int] | None) -> dict[str, int]:
     """DFlashConfig's DFlash2 fields from a `--dflash2` value; {} for a DFlash drafter."""
     return dict(zip(DFLASH2_KEYS, values, strict=True)) if values else {}
+
+
+def lilicorr_fields(values: list[int] | None, hidden_size: int) -> dict[str, Any]:
+    """DFlashConfig's LiLiCorr field from a `--lilicorr` value (a head as wide as the drafter,
+    an MLP twice as wide, logit scale 16); {} for other drafters."""
+    if not values:
+        return {}
+    top_k, num_layers, num_heads, factor_dim = values
+    return {"lilicorr": LiLiCorrConfig(
+        candidate_topk=top_k, hidden_size=hidden_size, num_layers=num_layers,
+        num_heads=num_heads, mlp_ratio=2.0, factor_dim=factor_dim, vector_eps=1e-6,
+        logit_scale=16.0)}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

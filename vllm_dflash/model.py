@@ -278,10 +278,15 @@ class LiLiCorrHead(nn.Module):
     def edge_scores(self, hidden: torch.Tensor, logits: torch.Tensor, inputs: SelectorInputs
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As CandidateSelector.edge_scores; reads inputs.anchor_states and inputs.embed."""
-        batch, num_slots = hidden.shape[:2]
         # Candidates in rank order, with log-probs over the whole vocabulary.
-        log_probs = logits.float().log_softmax(dim=-1)
-        log_probs, candidates = log_probs.topk(self.top_k, dim=-1)
+        log_probs, candidates = logits.float().log_softmax(dim=-1).topk(self.top_k, dim=-1)
+        return candidates, self.scores(hidden, candidates, log_probs, inputs)
+
+    def scores(self, hidden: torch.Tensor, candidates: torch.Tensor, log_probs: torch.Tensor,
+               inputs: SelectorInputs) -> torch.Tensor:
+        """fp32 edge scores [B, S, k, k] of candidates [B, S, k] (rank order) whose log-probs
+        are log_probs [B, S, k], at the drafter's hidden states [B, S, H]."""
+        batch, num_slots = hidden.shape[:2]
         dtype = self.slot_embedding.dtype
         h = (self.token_proj(inputs.embed(candidates).to(dtype))
              + self.pass_hidden_proj(hidden.to(dtype))[:, :, None]
@@ -302,7 +307,7 @@ class LiLiCorrHead(nn.Module):
         start = (anchor_out[:, None] * in_vec[:, 0]).sum(dim=-1)  # [B, k]
         pairs = out_vec[:, :-1] @ in_vec[:, 1:].transpose(-1, -2)  # [B, S-1, k, k]
         first = start[:, None, None, :].expand(-1, 1, self.top_k, -1)
-        return candidates, self.logit_scale * torch.cat([first, pairs], dim=1).float()
+        return self.logit_scale * torch.cat([first, pairs], dim=1).float()
 
 
 def walk(candidates: torch.Tensor, next_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

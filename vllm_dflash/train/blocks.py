@@ -9,7 +9,7 @@ each block sees the context features at positions < p and its own B positions
 import torch
 import torch.nn.functional as F
 
-from vllm_dflash.model import CandidateSelector
+from vllm_dflash.model import CandidateSelector, LiLiCorrHead, SelectorInputs
 
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -93,5 +93,32 @@ def selector_loss(selector: CandidateSelector, hidden: torch.Tensor, logits: tor
                              logits.gather(-1, candidates))[..., 0, :]
     target = (candidates == truth[..., None]).int().argmax(dim=-1)
     per_token = F.cross_entropy(scores.flatten(0, 1), target.flatten(), reduction="none")
+    w = weights.to(logits.device).repeat(len(truth))
+    return (per_token * w).sum() / w.sum()
+
+
+def lattice_loss(head: LiLiCorrHead, hidden: torch.Tensor, logits: torch.Tensor,
+                 labels: torch.Tensor, weights: torch.Tensor, inputs: SelectorInputs
+                 ) -> torch.Tensor:
+    """A LiLiCorr head's loss, teacher-forced like selector_loss: the lattice holds each mask
+    position's top_k candidates by log-prob (the true token replacing the last one when
+    missing, which keeps the rank order), and at each position the edges from the true
+    previous token's candidate (the anchor's vector at the first) must pick the true token.
+    The candidates' log-prob features are detached: the head learns to read them, the
+    drafter's logits learn from block_loss. inputs.anchor_states [A]: the context state
+    before each block. Inputs are flat over blocks."""
+    block_size = len(weights) + 1
+    hidden = hidden.view(-1, block_size, hidden.shape[-1])[:, 1:]
+    log_probs = logits.detach().float().view(-1, block_size, logits.shape[-1])[:, 1:]
+    log_probs = log_probs.log_softmax(dim=-1)
+    truth = labels.view(-1, block_size)[:, 1:].to(logits.device)
+    candidates = log_probs.topk(head.top_k, dim=-1).indices
+    missing = ~(candidates == truth[..., None]).any(dim=-1)
+    candidates[..., -1] = torch.where(missing, truth, candidates[..., -1])
+    scores = head.scores(hidden, candidates, log_probs.gather(-1, candidates), inputs)
+    index = (candidates == truth[..., None]).int().argmax(dim=-1)  # the truth's candidate
+    previous = torch.cat([index.new_zeros(len(index), 1), index[:, :-1]], dim=1)
+    rows = scores.gather(2, previous[..., None, None].expand(-1, -1, 1, head.top_k))[:, :, 0]
+    per_token = F.cross_entropy(rows.flatten(0, 1), index.flatten(), reduction="none")
     w = weights.to(logits.device).repeat(len(truth))
     return (per_token * w).sum() / w.sum()

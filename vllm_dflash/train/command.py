@@ -3,7 +3,7 @@
 import argparse
 import json
 
-from vllm_dflash.config import dflash2_option
+from vllm_dflash.config import DFLASH2_METAVAR, LILICORR_METAVAR, dflash2_option, lilicorr_option
 from vllm_dflash.train.trainer import TrainConfig, config_from_args, train
 
 DEFAULTS = TrainConfig(target="", data="", out="")
@@ -40,9 +40,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--dflash2",
         type=dflash2_option,
         default=d.dflash2,
-        metavar="TAPS,GROUP,RANK,TOP_K",
+        metavar=DFLASH2_METAVAR,
         help="a DFlash2 drafter: conv_kernel_size, conv_group_size, selector_rank, "
         "selector_top_k (its selector trains teacher-forced beside the block loss)",
+    )
+    p.add_argument(
+        "--lilicorr",
+        type=lilicorr_option,
+        default=d.lilicorr,
+        metavar=LILICORR_METAVAR,
+        help="a LiLiCorr drafter: lilicorr_candidate_topk, lilicorr_num_layers, "
+        "lilicorr_num_heads, lilicorr_factor_dim (its head trains teacher-forced beside the "
+        "block loss)",
     )
     p.add_argument(
         "--mask-token-id",

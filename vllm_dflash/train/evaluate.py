@@ -6,7 +6,10 @@ drafts equal to the target's greedy tokens is accepted, plus the target's next t
 tokens are exactly the target's greedy ones; tau is the mean of accepted + 1 over blocks.
 """
 
+from functools import partial
+
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from vllm_dflash.draft_sampling import choose_drafts
@@ -33,8 +36,12 @@ def draft_block(
         target.get_input_embeddings().weight,
         target.get_output_embeddings().weight,
     )
-    drafts, _ = choose_drafts(drafter.candidate_selector, hidden[None, 1:], logits[None, 1:],
-                              SelectorInputs(block_ids[:1]))
+    # A LiLiCorr head reads the context state of the token before the anchor, the last one
+    # with target features.
+    embed_weight = target.get_input_embeddings().weight.to(hidden.dtype)
+    inputs = SelectorInputs(block_ids[:1], drafter.fuse(features[-1:].to(hidden.dtype)),
+                            partial(F.embedding, weight=embed_weight))
+    drafts, _ = choose_drafts(drafter.selector, hidden[None, 1:], logits[None, 1:], inputs)
     return drafts[0].tolist()
 
 

@@ -13,9 +13,11 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, fields
+from functools import partial
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from vllm_dflash.checkpoint import save_drafter
@@ -23,15 +25,17 @@ from vllm_dflash.config import (
     DFlashConfig,
     default_target_layer_ids,
     dflash2_fields,
+    lilicorr_fields,
     resolve_dtype,
 )
-from vllm_dflash.model import DFlashDrafter
+from vllm_dflash.model import DFlashDrafter, SelectorInputs
 from vllm_dflash.tiny import MASK_TOKEN, random_drafter
 from vllm_dflash.train.blocks import (
     block_inputs,
     block_loss,
     block_mask,
     default_gamma,
+    lattice_loss,
     loss_weights,
     sample_anchors,
     selector_loss,
@@ -78,6 +82,13 @@ class TrainConfig:
     seed: int = 0
     # conv_kernel_size, conv_group_size, selector_rank, selector_top_k: a DFlash2 drafter.
     dflash2: list[int] | None = None
+    # candidate_topk, num_layers, num_heads, factor_dim: a LiLiCorr drafter.
+    lilicorr: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.dflash2 and self.lilicorr:
+            raise ValueError("--dflash2 and --lilicorr each choose the drafter's head; fix: "
+                             "pass one of them")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -193,6 +204,7 @@ def drafter_config(cfg: TrainConfig, target: PreTrainedModel, mask_id: int) -> D
         target_layer_ids=list(layer_ids),
         num_target_layers=t.num_hidden_layers,
         **dflash2_fields(cfg.dflash2),
+        **lilicorr_fields(cfg.lilicorr, t.hidden_size),
     )
 
 
@@ -233,6 +245,12 @@ def sequence_loss(
     if drafter.candidate_selector is not None:
         loss = loss + selector_loss(drafter.candidate_selector, hidden, logits, block_ids,
                                     labels, weights)
+    if drafter.lilicorr is not None:
+        embed_weight = frozen[0].to(hidden.dtype)
+        inputs = SelectorInputs(block_ids.view(-1, B)[:, 0].to(device),
+                                drafter.fuse(features[anchors.to(device) - 1].to(hidden.dtype)),
+                                partial(F.embedding, weight=embed_weight))
+        loss = loss + lattice_loss(drafter.lilicorr, hidden, logits, labels, weights, inputs)
     return loss, len(block_ids)
 
 
