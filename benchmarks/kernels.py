@@ -11,7 +11,7 @@
                      softmax before it is not counted). Paths: reference, triton
     drafter_step     one block of --draft-block-size tokens per request: embed -> DFlashDrafter
                      (random weights, paged draft attention) -> lm_head argmax over --vocab
-                     (with --dflash2: the candidate selector's greedy walk).
+                     (with --dflash2 or --lilicorr: the candidate head's greedy walk).
                      Paths: the attention used (torch, triton) and, with --cuda-graph, the triton
                      step captured in a CUDA graph per batch size, checked token for token
                      against eager
@@ -36,11 +36,20 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch.nn import functional as F
 
-from vllm_dflash.config import DFlashConfig, dflash2_fields, dflash2_option
+from vllm_dflash.config import (
+    DFLASH2_METAVAR,
+    LILICORR_METAVAR,
+    DFlashConfig,
+    dflash2_fields,
+    dflash2_option,
+    lilicorr_fields,
+    lilicorr_option,
+)
 from vllm_dflash.draft_graphs import DraftGraphs
 from vllm_dflash.draft_sampling import choose_drafts
 from vllm_dflash.kernels import _compiled
@@ -113,6 +122,7 @@ def drafter_config(args: argparse.Namespace) -> DFlashConfig:
         target_layer_ids=list(range(args.features)), num_target_layers=args.features + 2,
         causal=args.causal,
         **dflash2_fields(args.dflash2),
+        **lilicorr_fields(args.lilicorr, args.hidden),
     )
 
 
@@ -251,8 +261,10 @@ def draft_step(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head: torc
     hidden = drafter(F.embedding(block_ids.flatten(), embed_weight), positions, attend,
                      block_len=cfg.block_size)
     hidden = hidden.view(num_reqs, cfg.block_size, -1)[:, 1:]
-    return choose_drafts(drafter.candidate_selector, hidden, F.linear(hidden, lm_head),
-                         SelectorInputs(anchors))[0]
+    # A LiLiCorr head's anchor states: the first block position's hidden state stands in (the
+    # proposer reads the last accepted token's context state, of the same shape).
+    inputs = SelectorInputs(anchors, hidden[:, 0], partial(F.embedding, weight=embed_weight))
+    return choose_drafts(drafter.selector, hidden, F.linear(hidden, lm_head), inputs)[0]
 
 
 def bench_drafter_step(args: argparse.Namespace, drafter: DFlashDrafter,
@@ -337,9 +349,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tokens injected per request and step (accepted + bonus)")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--dflash2", type=dflash2_option, default=None,
-                        metavar="TAPS,GROUP,RANK,TOP_K",
+                        metavar=DFLASH2_METAVAR,
                         help="a DFlash2 drafter: conv_kernel_size, conv_group_size, "
                              "selector_rank, selector_top_k")
+    parser.add_argument("--lilicorr", type=lilicorr_option, default=None,
+                        metavar=LILICORR_METAVAR,
+                        help="a LiLiCorr drafter: lilicorr_candidate_topk, lilicorr_num_layers, "
+                             "lilicorr_num_heads, lilicorr_factor_dim")
     parser.add_argument("--sliding-window", type=int, default=None)
     parser.add_argument("--cuda-graph", action="store_true",
                         help="also replay the drafter step from a CUDA graph (CUDA only)")

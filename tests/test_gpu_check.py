@@ -42,7 +42,8 @@ def gpu_check():
     return module
 
 
-@pytest.mark.parametrize("drafter", [[], ["--dflash2", "2,16,8,4"]], ids=["dflash", "dflash2"])
+@pytest.mark.parametrize("drafter", [[], ["--dflash2", "2,16,8,4"], ["--lilicorr", "4,1,2,8"]],
+                         ids=["dflash", "dflash2", "lilicorr"])
 def test_kernels_benchmark_rows_on_cpu(drafter: list[str], tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
     proc = _run_bench(*TINY_BENCH, *drafter, "--json", str(out))
