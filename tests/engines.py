@@ -42,6 +42,8 @@ TRAINED = Pair(target=TRAINED_DIR / "target", drafter=TRAINED_DIR / "drafter", b
 # A DFlash2 drafter for the same target, trained on the same data (pair.json: drafter_dflash2).
 TRAINED_DFLASH2 = Pair(target=TRAINED_DIR / "target",
                        drafter=TRAINED_DIR / "drafter-dflash2", block_size=8)
+TRAINED_LILICORR = Pair(target=TRAINED_DIR / "target",
+                        drafter=TRAINED_DIR / "drafter-lilicorr", block_size=8)
 
 
 def heldout_texts(count: int | None = None) -> list[str]:
