@@ -236,14 +236,20 @@ def tokenizer_mask_id(target_dir: Path) -> int:
     return AutoTokenizer.from_pretrained(target_dir).convert_tokens_to_ids(MASK_TOKEN)
 
 
-def test_train_smoke_loss_falls_and_checkpoint_loads(target_dir, tmp_path):
-    from dflash.model import DFlashDraftModel
-
-    cfg = config_from_args(build_parser().parse_args(train_argv(target_dir, tmp_path, epochs=4)))
+def train_and_load(target_dir: Path, tmp_path: Path, *options: str):
+    """Trains 4 epochs with the options; the loss falls; returns the config and the checkpoint."""
+    argv = train_argv(target_dir, tmp_path, epochs=4) + list(options)
+    cfg = config_from_args(build_parser().parse_args(argv))
     stats = Trainer(cfg).run()
     losses = [h["loss"] for h in stats["history"]]
     assert losses[-1] < losses[0] - 0.2, losses
-    drafter = load_drafter(cfg.out, torch.float32)
+    return cfg, load_drafter(cfg.out, torch.float32)
+
+
+def test_train_smoke_loss_falls_and_checkpoint_loads(target_dir, tmp_path):
+    from dflash.model import DFlashDraftModel
+
+    cfg, drafter = train_and_load(target_dir, tmp_path)
     assert drafter.cfg.block_size == 8 and drafter.cfg.target_layer_ids == [1, 2]
     assert drafter.cfg.mask_token_id == tokenizer_mask_id(target_dir)
     reference, info = DFlashDraftModel.from_pretrained(cfg.out, output_loading_info=True)
@@ -316,12 +322,7 @@ def test_selector_loss_is_teacher_forced_ce_over_candidates(dflash2_drafter):
 def test_train_dflash2_loss_falls_and_checkpoint_loads(target_dir, tmp_path):
     from dflash.model import DFlash2DraftModel
 
-    argv = train_argv(target_dir, tmp_path, epochs=4) + ["--dflash2", "2,32,8,4"]
-    cfg = config_from_args(build_parser().parse_args(argv))
-    stats = Trainer(cfg).run()
-    losses = [h["loss"] for h in stats["history"]]
-    assert losses[-1] < losses[0] - 0.2, losses
-    drafter = load_drafter(cfg.out, torch.float32)
+    cfg, drafter = train_and_load(target_dir, tmp_path, "--dflash2", "2,32,8,4")
     assert drafter.cfg.is_dflash2 and drafter.cfg.selector_top_k == 4
     reference, info = DFlash2DraftModel.from_pretrained(cfg.out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
@@ -366,12 +367,7 @@ def test_lattice_loss_is_teacher_forced_ce_over_each_blocks_lattice(lilicorr_dra
 
 
 def test_train_lilicorr_loss_falls_and_checkpoint_loads(target_dir, tmp_path):
-    argv = train_argv(target_dir, tmp_path, epochs=4) + ["--lilicorr", "4,1,2,8"]
-    cfg = config_from_args(build_parser().parse_args(argv))
-    stats = Trainer(cfg).run()
-    losses = [h["loss"] for h in stats["history"]]
-    assert losses[-1] < losses[0] - 0.2, losses
-    drafter = load_drafter(cfg.out, torch.float32)
+    _, drafter = train_and_load(target_dir, tmp_path, "--lilicorr", "4,1,2,8")
     assert drafter.cfg.architecture == "LiLiCorrDraftModel"
     assert drafter.cfg.lilicorr.candidate_topk == 4 and drafter.cfg.lilicorr.num_layers == 1
 
