@@ -113,7 +113,7 @@ def test_head_matches_vllm(make_config, tmp_path: Path) -> None:
         # The scores choose: the walk's drafts are not the logits' argmax everywhere.
         assert (walk(candidates, scores.argmax(dim=-1))[0] != logits.argmax(dim=-1)).any()
         ours[name] = scores
-        config = {f"lilicorr_{key}": getattr(cfg.lilicorr, key) for key in LiLiCorrConfig.KEYS}
+        config = cfg.lilicorr.to_dflash_config()
         torch.save({"model_hidden_size": cfg.hidden_size, "block_size": cfg.block_size,
                     "eps": cfg.rms_norm_eps, "config": config, "state": head.state_dict(),
                     "args": (inputs.embed(ids), log_probs, hidden, inputs.anchor_states,

@@ -1,7 +1,7 @@
 """DFlash drafter config: parse and write z-lab `config.json`, check a drafter against its target."""
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ DFLASH2 = "DFlash2DraftModel"
 # The keys a DFlash2 drafter adds (dflash_config or top level): its grouped convolutions and its
 # candidate selector.
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-CONV_KEYS = DFLASH2_KEYS[:2]
+CONV_KEYS, SELECTOR_KEYS = DFLASH2_KEYS[:2], DFLASH2_KEYS[2:]
 LILICORR = "LiLiCorrDraftModel"
 
 
@@ -48,9 +48,6 @@ class LiLiCorrConfig:
     factor_dim: int
     vector_eps: float
     logit_scale: float
-
-    KEYS = ("candidate_topk", "hidden_size", "num_layers", "num_heads", "mlp_ratio",
-            "factor_dim", "vector_eps", "logit_scale")
 
     def __post_init__(self) -> None:
         k = self.candidate_topk
@@ -74,26 +71,19 @@ class LiLiCorrConfig:
             raise DFlashConfigError(
                 f"architectures ['{LILICORR}'] with dflash_config.lilicorr_enabled false; fix: "
                 "set it true, or use the checkpoint's DFlash architecture")
-        missing = [f"lilicorr_{key}" for key in cls.KEYS
-                   if key != "hidden_size" and dc.get(f"lilicorr_{key}") is None]
+        # Each field is dflash_config's `lilicorr_<field>`; a null hidden size means the drafter's.
+        values = {f.name: dc.get(f"lilicorr_{f.name}") for f in fields(cls)}
+        values["hidden_size"] = values["hidden_size"] or hidden_size
+        missing = [f"lilicorr_{name}" for name, value in values.items() if value is None]
         if missing:
             raise DFlashConfigError(
                 f"a {LILICORR} config needs {missing} in dflash_config; fix: add them from the "
                 "checkpoint's training config")
-        return cls(
-            candidate_topk=int(dc["lilicorr_candidate_topk"]),
-            hidden_size=int(dc.get("lilicorr_hidden_size") or hidden_size),
-            num_layers=int(dc["lilicorr_num_layers"]),
-            num_heads=int(dc["lilicorr_num_heads"]),
-            mlp_ratio=float(dc["lilicorr_mlp_ratio"]),
-            factor_dim=int(dc["lilicorr_factor_dim"]),
-            vector_eps=float(dc["lilicorr_vector_eps"]),
-            logit_scale=float(dc["lilicorr_logit_scale"]),
-        )
+        return cls(**{f.name: f.type(values[f.name]) for f in fields(cls)})
 
     def to_dflash_config(self) -> dict[str, Any]:
         return {"lilicorr_enabled": True,
-                **{f"lilicorr_{key}": getattr(self, key) for key in self.KEYS}}
+                **{f"lilicorr_{f.name}": getattr(self, f.name) for f in fields(self)}}
 
 
 def _integers_option(text: str, metavar: str) -> list[int]:
@@ -221,7 +211,7 @@ class DFlashConfig:
     @property
     def is_dflash2(self) -> bool:
         """DFlash2's candidate selector (and convolutions): any of its keys, LiLiCorr aside."""
-        keys = DFLASH2_KEYS if self.lilicorr is None else DFLASH2_KEYS[2:]
+        keys = DFLASH2_KEYS if self.lilicorr is None else SELECTOR_KEYS
         return any(getattr(self, key) is not None for key in keys)
 
     @property
