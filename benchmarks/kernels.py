@@ -60,6 +60,7 @@ from vllm_dflash.kernels.draft_attention import (
     draft_attention_torch,
     draft_attention_triton,
 )
+from vllm_dflash.kernels.inputs import block_table, paged_cache
 from vllm_dflash.kernels.kv_injection import (
     kv_injection,
     kv_injection_reference,
@@ -136,21 +137,20 @@ class PagedBatch:
 
 
 def paged_batch(args: argparse.Namespace, batch: int, device: torch.device) -> PagedBatch:
-    """Random caches in vLLM's strided layout, contexts of args.context tokens each."""
+    """Random caches in vLLM's strided layout, contexts of args.context tokens each; every
+    request's blocks, all of them used, also hold its draft block and injected tokens."""
     tokens_per_request = args.context + max(args.draft_block_size, args.new_tokens)
     blocks_per_request = -(-tokens_per_request // args.cache_block_size)
     num_blocks = batch * blocks_per_request
-    caches = [
-        torch.randn(num_blocks, args.cache_block_size, args.kv_heads, 2 * args.head_dim,
-                    dtype=args.dtype, device=device).permute(0, 2, 1, 3)
-        for _ in range(args.layers)
-    ]
-    block_table = torch.randperm(num_blocks, device=device).view(batch, blocks_per_request)
+    gen = torch.Generator(device).manual_seed(0)
+    caches = [paged_cache(num_blocks, args.kv_heads, args.cache_block_size, args.head_dim,
+                          args.dtype, "permuted", gen) for _ in range(args.layers)]
     b = args.draft_block_size
     return PagedBatch(
         caches=caches,
         draft=DraftBatch(
-            block_table=block_table.int(),
+            block_table=block_table([blocks_per_request] * batch, num_blocks, blocks_per_request,
+                                    gen),
             context_lens=torch.full((batch,), args.context, dtype=torch.int32, device=device),
             query_start_loc=torch.arange(0, batch * b + 1, b, dtype=torch.int32, device=device),
             anchor_positions=torch.full((batch,), args.context, dtype=torch.int32,

@@ -54,6 +54,12 @@ from vllm_dflash.kernels.draft_attention import (
     draft_attention_torch,
     draft_attention_triton,
 )
+from vllm_dflash.kernels.inputs import (
+    attention_batch,
+    injection_batch,
+    verify_batch,
+    with_cache_copies,
+)
 from vllm_dflash.kernels.kv_injection import (
     kv_injection,
     kv_injection_reference,
@@ -76,43 +82,6 @@ DFLASH2_BENCH = "4,128,64,8"
 
 
 # ---------------------------------------------------------------------------- kernel parity
-
-
-def _paged_cache(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> torch.Tensor:
-    """Random cache in vLLM's strided layout: [num_blocks, Hkv, block_size, 2D] logical,
-    stored as [num_blocks, block_size, Hkv, 2D]."""
-    storage = torch.randn(num_blocks, block_size, num_kv_heads, 2 * head_dim, generator=gen)
-    return storage.to(device=device, dtype=dtype).permute(0, 2, 1, 3)
-
-
-def attention_inputs(context_lens: list[int], query_lens: list[int], heads: int, kv_heads: int,
-                     head_dim: int, dtype: torch.dtype, device: torch.device,
-                     seed: int = 0, block_size: int = 16) -> dict:
-    """Arguments of draft_attention_* for a ragged batch: shuffled block table whose unused
-    entries name real but wrong blocks, q/k/v as strided views of one fused projection."""
-    gen = torch.Generator().manual_seed(seed)
-    needed = [-(-c // block_size) for c in context_lens]
-    num_blocks = sum(needed) + 2
-    block_table = torch.randint(0, num_blocks, (len(context_lens), max(needed) + 1),
-                                generator=gen, dtype=torch.int32)
-    free = torch.randperm(num_blocks, generator=gen).int()
-    for r, n in enumerate(needed):
-        block_table[r, :n] = free[sum(needed[:r]):sum(needed[:r + 1])]
-    tokens = sum(query_lens)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
-    q, k, v = qkv.to(device=device, dtype=dtype).split(
-        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
-    starts = torch.tensor([0, *query_lens]).cumsum(0)
-    return {
-        "q": q.view(tokens, heads, head_dim),
-        "k": k.view(tokens, kv_heads, head_dim),
-        "v": v.view(tokens, kv_heads, head_dim),
-        "kv_cache": _paged_cache(num_blocks, kv_heads, block_size, head_dim, dtype, device, gen),
-        "block_table": block_table.to(device),
-        "context_lens": torch.tensor(context_lens, dtype=torch.int32, device=device),
-        "query_start_loc": starts.to(device=device, dtype=torch.int32),
-    }
 
 
 def _mismatch(name: str, got: torch.Tensor, want: torch.Tensor, tol: dict) -> str | None:
@@ -148,8 +117,9 @@ def parity_draft_attention(device: torch.device, batches: tuple = ATTENTION_BATC
         for heads, kv_heads, head_dim in head_shapes:
             for b, (context_lens, query_lens) in enumerate(batches):
                 for causal, window in masks:
-                    inputs = attention_inputs(context_lens, query_lens, heads, kv_heads,
-                                              head_dim, dtype, device, seed=b)
+                    inputs = attention_batch(context_lens, query_lens, heads, kv_heads,
+                                             head_dim, dtype, "permuted", seed=b,
+                                             block_size=16, device=device)
                     flags = {"scale": head_dim**-0.5, "causal": causal,
                              "sliding_window": window}
                     want = draft_attention_reference(**inputs, **flags)
@@ -159,28 +129,6 @@ def parity_draft_attention(device: torch.device, batches: tuple = ATTENTION_BATC
                         got = attention(**inputs, **flags)
                         failures.append(_mismatch(case, got, want, TOLERANCES[dtype]))
     return [f for f in failures if f]
-
-
-def injection_inputs(num_tokens: int, hidden: int, layers: int, kv_heads: int, head_dim: int,
-                     dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict:
-    """Arguments of kv_injection_* with every fifth token padding (slot -1)."""
-    gen = torch.Generator().manual_seed(seed)
-    block_size, max_pos = 16, 4096
-    num_blocks = -(-num_tokens // block_size) + 4
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
-    slots[::5] = -1
-    weight = torch.randn(layers * 2 * kv_heads * head_dim, hidden, generator=gen) / hidden**0.5
-    return {
-        "ctx": torch.randn(num_tokens, hidden, generator=gen).to(device=device, dtype=dtype),
-        "positions": torch.randint(0, max_pos, (num_tokens,), generator=gen).to(device),
-        "slot_mapping": slots.to(device),
-        "kv_weight": weight.to(device=device, dtype=dtype),
-        "k_norm_weight": (torch.rand(layers, head_dim, generator=gen) + 0.5).to(device, dtype),
-        "eps": 1e-6,
-        "cos_sin_cache": rope_cos_sin_cache(head_dim, max_pos, 1e6, device),
-        "kv_caches": [_paged_cache(num_blocks, kv_heads, block_size, head_dim, dtype, device, gen)
-                      for _ in range(layers)],
-    }
 
 
 def parity_kv_injection(device: torch.device,
@@ -195,41 +143,19 @@ def parity_kv_injection(device: torch.device,
     failures = []
     for dtype in (torch.float32, torch.bfloat16):
         for tokens, hidden, num_layers, kv_heads, head_dim in shapes:
-            inputs = injection_inputs(tokens, hidden, num_layers, kv_heads, head_dim, dtype,
-                                      device)
-            initial = [cache.clone() for cache in inputs["kv_caches"]]
-            kv_injection_reference(**inputs)
-            want = [cache.clone() for cache in inputs["kv_caches"]]
+            inputs = injection_batch(tokens, hidden, num_layers, kv_heads, head_dim, dtype,
+                                     ["permuted"], block_size=16, max_position=4096,
+                                     rope_theta=1e6, device=device)
+            want = with_cache_copies(inputs)
+            kv_injection_reference(**want)
             for name, inject in paths.items():
-                caches = [cache.clone() for cache in initial]  # clone keeps the strides
-                inject(**{**inputs, "kv_caches": caches})
-                for layer, (got, expected) in enumerate(zip(caches, want, strict=True)):
+                got = with_cache_copies(inputs)
+                inject(**got)
+                pairs = zip(got["kv_caches"], want["kv_caches"], strict=True)
+                for layer, (cache, expected) in enumerate(pairs):
                     case = f"kv_injection {name} {dtype} kv_heads {kv_heads} layer {layer}"
-                    failures.append(_mismatch(case, got, expected, TOLERANCES[dtype]))
+                    failures.append(_mismatch(case, cache, expected, TOLERANCES[dtype]))
     return [f for f in failures if f]
-
-
-def verify_inputs(batch: int, max_spec_len: int, vocab: int, device: torch.device,
-                  seed: int = 0) -> dict:
-    """Ragged drafts (a request with none, one with the most), most drafts the argmax."""
-    gen = torch.Generator().manual_seed(seed)
-    counts = torch.randint(0, max_spec_len + 1, (batch,), generator=gen)
-    counts[0], counts[1] = 0, max_spec_len
-    num_tokens = int(counts.sum())
-    logits = 3 * torch.randn(num_tokens, vocab, generator=gen)
-    target_probs = logits.softmax(dim=-1)
-    random_ids = torch.randint(vocab, (num_tokens,), generator=gen)
-    drafts = torch.where(torch.rand(num_tokens, generator=gen) < 0.7,
-                         target_probs.argmax(dim=-1), random_ids)
-    inputs = {
-        "draft_token_ids": drafts,
-        "cu_num_draft_tokens": counts.cumsum(0).int(),
-        "draft_probs": torch.softmax(logits + torch.randn(num_tokens, vocab, generator=gen), -1),
-        "target_probs": target_probs,
-        "bonus_token_ids": torch.randint(vocab, (batch,), generator=gen),
-        "is_greedy": torch.rand(batch, generator=gen) < 0.3,
-    }
-    return {"max_spec_len": max_spec_len} | {k: v.to(device) for k, v in inputs.items()}
 
 
 def greedy_walk(inputs: dict) -> torch.Tensor:
@@ -261,7 +187,7 @@ def parity_verify(device: torch.device, vocabs: tuple[int, ...] = (2500, 151936)
         paths["triton"] = verify_triton
     failures = []
     for vocab in vocabs:
-        inputs = verify_inputs(16, 15, vocab, device)
+        inputs = verify_batch(batch=16, max_spec_len=15, vocab=vocab, device=device)
         greedy = {**inputs, "is_greedy": torch.ones_like(inputs["is_greedy"])}
         want = greedy_walk(greedy)
         for name, verify in paths.items():

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_dflash.kernels.inputs import verify_batch
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_BENCH = ["--batches", "3", "--repeats", "2", "--warmup", "1", "--hidden", "64",
               "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
@@ -89,7 +91,7 @@ def test_parity_reports_a_mismatch(gpu_check) -> None:
 
 
 def test_greedy_walk_oracle(gpu_check) -> None:
-    inputs = gpu_check.verify_inputs(6, 4, 50, torch.device("cpu"))
+    inputs = verify_batch(batch=6, max_spec_len=4, vocab=50)
     inputs["draft_token_ids"] = inputs["target_probs"].argmax(dim=-1)  # every draft accepted
     out = gpu_check.greedy_walk(inputs)
     ends = inputs["cu_num_draft_tokens"].tolist()

@@ -14,14 +14,12 @@ shuffled and the caches are strided views, as vLLM builds them.
 
 import glob
 import json
-import math
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
 import traceback
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -37,6 +35,14 @@ from vllm_dflash.kernels.draft_attention import (
     draft_attention_torch,
     draft_attention_triton,
 )
+from vllm_dflash.kernels.inputs import (
+    EPS,
+    THETA,
+    attention_batch,
+    injection_batch,
+    with_cache_copies,
+    with_padding,
+)
 from vllm_dflash.kernels.kv_injection import (
     kv_injection,
     kv_injection_reference,
@@ -46,114 +52,11 @@ from vllm_dflash.kernels.kv_injection import (
 from vllm_dflash.layers import rope_cos_sin_cache
 
 REPO = Path(__file__).resolve().parents[1]
-THETA = 10000.0
-EPS = 1e-6
 MASKS = [(False, None), (True, None), (False, 7), (True, 7), (False, 80), (True, 80)]
 TOLERANCES = {
     torch.float32: {"atol": 2e-5, "rtol": 1e-5},
     torch.bfloat16: {"atol": 3e-2, "rtol": 2e-2},
 }
-
-
-# ---------------------------------------------------------------------------- inputs
-
-
-def paged_cache(
-    num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype,
-    layout: str, gen: torch.Generator,
-) -> torch.Tensor:
-    """Random cache of logical shape [num_blocks, Hkv, block_size, 2D] stored in `layout`."""
-    width = 2 * head_dim
-    if layout == "contiguous":
-        cache = torch.empty(num_blocks, num_kv_heads, block_size, width, dtype=dtype)
-    elif layout == "permuted":  # [num_blocks, block_size, Hkv, 2D] storage
-        cache = torch.empty(num_blocks, block_size, num_kv_heads, width, dtype=dtype)
-        cache = cache.permute(0, 2, 1, 3)
-    elif layout == "padded":  # rows longer than 2D
-        cache = torch.empty(num_blocks, num_kv_heads, block_size, width + 8, dtype=dtype)
-        cache = cache[..., :width]
-    elif layout == "strided_dim":  # innermost stride 2
-        cache = torch.empty(num_blocks, num_kv_heads, block_size, width, 2, dtype=dtype)[..., 0]
-    else:
-        raise ValueError(layout)
-    cache.copy_(torch.randn(cache.shape, generator=gen))
-    return cache
-
-
-def attention_batch(
-    context_lens: Sequence[int], query_lens: Sequence[int], num_heads: int, num_kv_heads: int,
-    head_dim: int, dtype: torch.dtype, layout: str, seed: int = 0, block_size: int = 4,
-) -> dict:
-    """Arguments of draft_attention_* (without scale / mask flags) for a ragged batch."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_needed = [math.ceil(c / block_size) for c in context_lens]
-    num_blocks = sum(blocks_needed) + 3
-    # Unused entries hold valid but wrong block ids: reading them would show as a mismatch.
-    block_table = torch.randint(0, num_blocks, (len(context_lens), max(blocks_needed) + 2),
-                                generator=gen, dtype=torch.int32)
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    for r, n in enumerate(blocks_needed):
-        block_table[r, :n] = torch.tensor(free[:n], dtype=torch.int32)
-        free = free[n:]
-    num_tokens = sum(query_lens)
-    # q/k/v as strided views of one fused qkv projection output
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
-    q, k, v = qkv.to(dtype).split(
-        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
-    return {
-        "q": q.view(num_tokens, num_heads, head_dim),
-        "k": k.view(num_tokens, num_kv_heads, head_dim),
-        "v": v.view(num_tokens, num_kv_heads, head_dim),
-        "kv_cache": paged_cache(num_blocks, num_kv_heads, block_size, head_dim, dtype, layout, gen),
-        "block_table": block_table,
-        "context_lens": torch.tensor(context_lens, dtype=torch.int32),
-        "query_start_loc": torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()],
-                                        dtype=torch.int32),
-    }
-
-
-def injection_batch(
-    num_tokens: int, hidden: int, num_layers: int, num_kv_heads: int, head_dim: int,
-    dtype: torch.dtype, layouts: Sequence[str], seed: int = 0, block_size: int = 4,
-) -> dict:
-    """Arguments of kv_injection_* for `num_tokens` tokens, a few of them padding (slot -1)."""
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = math.ceil(num_tokens / block_size) + 4
-    max_pos = 200
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
-    slots[::5] = -1
-    weight = torch.randn(num_layers * 2 * num_kv_heads * head_dim, hidden, generator=gen)
-    return {
-        "ctx": torch.randn(num_tokens, hidden, generator=gen).to(dtype),
-        "positions": torch.randint(0, max_pos, (num_tokens,), generator=gen),
-        "slot_mapping": slots,
-        "kv_weight": (weight / math.sqrt(hidden)).to(dtype),
-        "k_norm_weight": (torch.rand(num_layers, head_dim, generator=gen) + 0.5).to(dtype),
-        "eps": EPS,
-        "cos_sin_cache": rope_cos_sin_cache(head_dim, max_pos, THETA),
-        "kv_caches": [paged_cache(num_blocks, num_kv_heads, block_size, head_dim, dtype,
-                                  layouts[i % len(layouts)], gen) for i in range(num_layers)],
-    }
-
-
-def with_padding(args: dict, padding: str) -> dict:
-    """injection_batch's arguments with its padding slots kept ("some"), dropped ("none"), or
-    every slot padding ("all")."""
-    if padding == "none":
-        keep = args["slot_mapping"] >= 0
-        args |= {name: args[name][keep] for name in ("ctx", "positions", "slot_mapping")}
-    elif padding == "all":
-        args["slot_mapping"][:] = -1
-    return args
-
-
-def with_cache_copies(args: dict) -> dict:
-    """The same arguments with fresh copies (same strides) of the caches."""
-    copies = []
-    for cache in args["kv_caches"]:
-        copy = torch.empty_strided(cache.shape, cache.stride(), dtype=cache.dtype)
-        copies.append(copy.copy_(cache))
-    return {**args, "kv_caches": copies}
 
 
 # ---------------------------------------------------------------------------- naive oracles

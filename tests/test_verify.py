@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.chi_square import assert_distribution, chi_square, critical
+from vllm_dflash.kernels.inputs import cu_num_draft_tokens, verify_batch
 from vllm_dflash.kernels.verify import (
     draw_randoms,
     greedy_walk_torch,
@@ -26,10 +27,6 @@ from vllm_dflash.kernels.verify import (
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_SAMPLES = 100_000
-
-
-def _cu(counts: list[int]) -> torch.Tensor:
-    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
 
 
 def _sample(probs: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
@@ -63,11 +60,11 @@ def test_greedy_is_plain_argmax_decoding() -> None:
 
     is_greedy = torch.ones(len(counts), dtype=torch.bool)
     for generators in ({}, {0: torch.Generator().manual_seed(1)}):
-        out = verify_reference(torch.tensor(drafts), _cu(counts), max_spec_len, None, target_probs,
-                               bonus, is_greedy, generators)
+        out = verify_reference(torch.tensor(drafts), cu_num_draft_tokens(counts), max_spec_len,
+                               None, target_probs, bonus, is_greedy, generators)
         assert torch.equal(out, expected_out)
-    assert torch.equal(verify(torch.tensor(drafts), _cu(counts), max_spec_len, None, target_probs,
-                              bonus, is_greedy, {}), expected_out)
+    assert torch.equal(verify(torch.tensor(drafts), cu_num_draft_tokens(counts), max_spec_len,
+                              None, target_probs, bonus, is_greedy, {}), expected_out)
 
 
 # --------------------------------------------------------------------------- losslessness
@@ -189,7 +186,7 @@ def _generate(p: torch.Tensor, q: torch.Tensor, length: int, k: int, block: bool
         target = torch.stack([p[c] for c in contexts[:k]], dim=1).reshape(-1, vocab)
         draft_probs = torch.stack([q[c] for c in contexts[:k]], dim=1).reshape(-1, vocab)
         bonus = torch.multinomial(p[contexts[k]], 1, generator=gen)[:, 0]
-        out = verify_reference(drafts.reshape(-1), _cu([k] * n), k,
+        out = verify_reference(drafts.reshape(-1), cu_num_draft_tokens([k] * n), k,
                                draft_probs if probabilistic else None, target, bonus,
                                torch.zeros(n, dtype=torch.bool), {}, block=block).long()
         count = (out >= 0).sum(dim=1)
@@ -236,7 +233,7 @@ def test_block_verification_keeps_the_target_distribution_and_more_drafts(seed: 
 
 def test_block_verification_with_one_hot_drafts_is_the_token_rule() -> None:
     for seed in range(3):
-        case = _ragged_case(seed)
+        case = verify_batch(seed=seed)
         outs = []
         for block in (False, True):
             torch.manual_seed(seed)
@@ -254,7 +251,7 @@ def test_padding_draft_with_draft_probs_is_corrected_from_the_target(block: bool
     target = torch.stack([P, P]).repeat(n, 1)
     draft_probs = torch.stack([P, Q]).repeat(n, 1)  # first draft q = p: always accepted
     torch.manual_seed(3)
-    out = verify_reference(drafts, _cu([2] * n), 2, draft_probs, target,
+    out = verify_reference(drafts, cu_num_draft_tokens([2] * n), 2, draft_probs, target,
                            torch.full((n,), -7), torch.zeros(n, dtype=torch.bool), {},
                            block=block)
     assert (out[:, 0] == 0).all() and (out[:, 2] == -1).all()
@@ -275,8 +272,8 @@ def test_per_request_generators() -> None:
     def run(seed: int, global_seed: int) -> tuple[torch.Tensor, torch.Generator]:
         generators = {b: torch.Generator().manual_seed(seed + b) for b in range(len(counts))}
         torch.manual_seed(global_seed)
-        out = verify_reference(drafts, _cu(counts), 4, None, target_probs, bonus, is_greedy,
-                               generators)
+        out = verify_reference(drafts, cu_num_draft_tokens(counts), 4, None, target_probs, bonus,
+                               is_greedy, generators)
         return out, generators[len(counts) - 1]
 
     first, idle_generator = run(seed=10, global_seed=1)
@@ -291,36 +288,10 @@ def test_per_request_generators() -> None:
 # --------------------------------------------------------------------------- Triton
 
 
-def _ragged_case(seed: int, batch: int = 12) -> dict:
-    """Random ragged batch: mixed greedy/sampled, top-k zeros, padding ids, zero residuals."""
-    gen = torch.Generator().manual_seed(seed)
-    vocab, max_spec_len = 2500, 5  # vocab > BLOCK_V: several blocks per row
-    counts = torch.randint(0, max_spec_len + 1, (batch,), generator=gen).tolist()
-    counts[0], counts[1] = 0, max_spec_len
-    num_tokens = sum(counts)
-    logits = torch.randn(num_tokens, vocab, generator=gen)
-    target_probs = sampling_probs(logits, torch.full((num_tokens,), 0.7),
-                                  torch.full((num_tokens,), 40), torch.full((num_tokens,), 0.9))
-    draft_probs = torch.softmax(logits + torch.randn(num_tokens, vocab, generator=gen), dim=-1)
-    drafts = torch.multinomial(draft_probs, 1, generator=gen)[:, 0]
-    drafts[: num_tokens // 3] = target_probs[: num_tokens // 3].argmax(dim=-1)  # some accepted
-    drafts[-1] = -1
-    draft_probs[1] = 2 * target_probs[1]  # unnormalised q: zero residual, falls back to p
-    return {
-        "draft_token_ids": drafts,
-        "cu_num_draft_tokens": _cu(counts),
-        "max_spec_len": max_spec_len,
-        "draft_probs": draft_probs,
-        "target_probs": target_probs,
-        "bonus_token_ids": torch.randint(vocab, (batch,), generator=gen),
-        "is_greedy": torch.rand(batch, generator=gen) < 0.3,
-    }
-
-
 def _block_case(seed: int) -> dict:
     """A larger ragged batch whose sampled drafts come from a q near the target, so that block
     verification keeps other drafts than the token rule in several requests."""
-    case = _ragged_case(seed, batch=48)
+    case = verify_batch(batch=48, seed=seed)
     gen = torch.Generator().manual_seed(seed)
     target_probs = case["target_probs"]
     noise = torch.randn(target_probs.shape, generator=gen)
@@ -333,7 +304,7 @@ def _block_case(seed: int) -> dict:
 def _check_triton_matches_reference() -> None:
     """Run with TRITON_INTERPRET=1 set before triton is imported (see the test below)."""
     for seed in range(3):
-        case = _ragged_case(seed)
+        case = verify_batch(seed=seed)
         for draft_probs in (None, case["draft_probs"]):
             outs = []
             for fn, block in itertools.product((verify_reference, verify_triton), (False, True)):
@@ -408,7 +379,7 @@ def test_vllm_adapter_matches_verify(block: bool) -> None:
 
 
 def test_vllm_adapter_all_greedy_is_cheap(monkeypatch: pytest.MonkeyPatch) -> None:
-    case = {**_ragged_case(1), "draft_probs": None}
+    case = {**verify_batch(seed=1), "draft_probs": None}
     case["is_greedy"] = torch.ones_like(case["is_greedy"])
     logits = 5 * torch.log(case["target_probs"] + 1e-6)  # same argmax, not probabilities
 
@@ -424,7 +395,7 @@ def test_vllm_adapter_all_greedy_is_cheap(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_vllm_adapter_without_drafts_returns_the_bonus_tokens_and_draws_nothing() -> None:
-    case = _ragged_case(3)
+    case = verify_batch(seed=3)
     batch, vocab = len(case["bonus_token_ids"]), case["target_probs"].shape[1]
     rng_state = torch.get_rng_state()
     out = vllm_rejection_sample(torch.empty(0, dtype=torch.long), [0] * batch, 1,
@@ -442,14 +413,14 @@ def test_vllm_adapter_without_drafts_returns_the_bonus_tokens_and_draws_nothing(
 @pytest.mark.parametrize("uniform", [False, True], ids=["ragged", "uniform"])
 def test_greedy_walk_torch_matches_reference(uniform: bool) -> None:
     for seed in range(8):
-        case = _ragged_case(seed)
+        case = verify_batch(seed=seed)
         if uniform:  # every request drafts max_spec_len tokens
             batch, k = len(case["bonus_token_ids"]), case["max_spec_len"]
             probs = case["target_probs"][:1].expand(batch * k, -1) + 1e-3 * torch.rand(batch * k, 1)
             drafts = probs.argmax(dim=-1)
             drafts[torch.rand(batch * k, generator=torch.Generator().manual_seed(seed)) < 0.2] = 7
             case = {**case, "draft_token_ids": drafts, "target_probs": probs,
-                    "cu_num_draft_tokens": _cu([k] * batch)}
+                    "cu_num_draft_tokens": cu_num_draft_tokens([k] * batch)}
         counts = torch.diff(case["cu_num_draft_tokens"], prepend=torch.zeros(1)).long().tolist()
         argmax = case["target_probs"].argmax(dim=-1)
         expected = rejection_walk_reference(
@@ -465,7 +436,7 @@ def test_greedy_walk_torch_matches_reference(uniform: bool) -> None:
 def test_vllm_adapter_synthetic_mode_accepts_at_the_set_rates(all_greedy: bool) -> None:
     """vLLM's benchmark mode: position i is accepted with probability rates[i], whatever the
     draft; the first rejected position gets the target's token, as in a real rejection."""
-    case = _ragged_case(2)
+    case = verify_batch(seed=2)
     case["draft_token_ids"] = case["draft_token_ids"].clamp_min(0)  # no padding rows
     if all_greedy:
         case["is_greedy"] = torch.ones_like(case["is_greedy"])
@@ -493,7 +464,7 @@ def test_vllm_adapter_synthetic_mode_accepts_at_the_set_rates(all_greedy: bool) 
     batch, k = 4000, 6
     many = {
         "draft_token_ids": torch.randint(0, probs.shape[1], (batch * k,)),
-        "cu_num_draft_tokens": _cu([k] * batch),
+        "cu_num_draft_tokens": cu_num_draft_tokens([k] * batch),
         "max_spec_len": k,
         "draft_probs": None,
         "bonus_token_ids": torch.zeros(batch, dtype=torch.long),
