@@ -1,7 +1,10 @@
 """Shared helpers for tests that run real vLLM engines on the CPU build."""
 
+import json
 import logging
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_DFLASH_DRAFT_LENGTH", "fixed")
 
 MAX_MODEL_LEN = 512
+SUBPROCESS_TIMEOUT_S = 600
 
 
 class LogLines(logging.Handler):
@@ -241,3 +245,26 @@ def write_random_lora(target: Path, out: Path, rank: int = 8, seed: int = 0) -> 
         "target_modules": list(shapes), "bias": "none", "base_model_name_or_path": str(target),
     }))
     return out
+
+
+def error_chain(err: BaseException | None) -> str:
+    """The message and every cause in the chain (vLLM may wrap start-up errors)."""
+    texts = []
+    while err is not None:
+        texts.append(f"{type(err).__name__}: {err}")
+        err = err.__cause__ or err.__context__
+    return "\n".join(texts)
+
+
+def run_python(code: str, *args: str, **env: str) -> list[dict]:
+    """Run code in a fresh interpreter; return the JSON objects it printed after 'RESULT '."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                "VLLM_CPU_KVCACHE_SPACE": "1", **env}
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], check=False, env=full_env, capture_output=True, text=True,
+        timeout=SUBPROCESS_TIMEOUT_S, cwd=Path(__file__).parent.parent,
+    )
+    results = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines()
+               if line.startswith("RESULT ")]
+    assert results, f"rc={done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return results

@@ -59,7 +59,7 @@ def test_offline_writes_json_png_and_table(offline):
             for r in report["paired_ratios"]] == [(a, b, c) for c in (1, 2) for a, b in pairs]
     # Each run set its method's environment before building its engine: this is our proposer.
     log = (out / "logs" / "offline-vllm-dflash-c1.log").read_text()
-    assert "implementation=vllm-dflash (vllm_dflash.proposer.DFlashProposer)" in log
+    assert "implementation=vllm-dflash (vllm_dflash.vllm.spec_decode.DFlashProposer)" in log
     assert "vllm-dflash: adaptive draft length" in log
 
 

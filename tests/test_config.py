@@ -284,7 +284,7 @@ def test_qwen3_8b_drafter_starts_with_qwen3_8b_defaults(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
     from tests.engines import speculative_config_stub
-    from vllm_dflash.proposer import validate_speculative_config
+    from vllm_dflash.vllm.config import validate_speculative_config
 
     (tmp_path / "config.json").write_text(json.dumps(qwen3_8b_b16()))
     spec = speculative_config_stub(str(tmp_path), 15)

@@ -6,8 +6,8 @@ import copy
 import torch
 
 from vllm_dflash.model import block_mask, dense_attend
-from vllm_dflash.plugin import use_vllm_cpu_gemm
 from vllm_dflash.tiny import random_drafter
+from vllm_dflash.vllm.model_executor import use_vllm_cpu_gemm
 
 
 @torch.inference_mode()

@@ -18,8 +18,8 @@ import torch
 from huggingface_hub import ResolvedRevision
 
 from tests.engines import speculative_config_stub
-from vllm_dflash.checkpoint import drafter_dir, load_drafter
-from vllm_dflash.config import DFlashConfig, DFlashConfigError
+from vllm_dflash.checkpoint import drafter_dir, load_config, load_drafter
+from vllm_dflash.config import DFlashConfigError
 from vllm_dflash.tiny import write_random_drafter, write_random_target
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -75,7 +75,7 @@ def test_hub_id_resolves_to_the_cached_snapshot(hub_cache: Path, drafter: Path) 
     assert drafter_dir("org/name") == hub_cache
     assert drafter_dir("org/name", revision="main") == hub_cache
     assert drafter_dir("org/name", revision=COMMIT) == hub_cache
-    assert DFlashConfig.from_pretrained("org/name") == DFlashConfig.from_pretrained(drafter)
+    assert load_config("org/name") == load_config(drafter)
     loaded, want = load_drafter("org/name").state_dict(), load_drafter(drafter).state_dict()
     assert loaded.keys() == want.keys()
     assert all(torch.equal(loaded[key], want[key]) for key in want)
@@ -87,7 +87,7 @@ def test_local_directory_is_used_as_is(hub_cache: Path, drafter: Path) -> None:
 
 
 def test_hub_id_absent_offline_names_the_id_and_the_fix(hub_cache: Path) -> None:
-    for call in (drafter_dir, DFlashConfig.from_pretrained, load_drafter):
+    for call in (drafter_dir, load_config, load_drafter):
         with pytest.raises(DFlashConfigError, match="'org/other'.*HF_HUB_OFFLINE.*fix"):
             call("org/other")
     with pytest.raises(DFlashConfigError, match="'org/name'.*revision 'v3'.*fix"):
@@ -97,7 +97,7 @@ def test_hub_id_absent_offline_names_the_id_and_the_fix(hub_cache: Path) -> None
 def test_start_up_check_and_engine_load_the_revision_asked_for(
     hub_cache: Path, drafter: Path, drafter_v2: Path
 ) -> None:
-    from vllm_dflash.proposer import drafter_path, validate_speculative_config
+    from vllm_dflash.vllm.config import drafter_path, validate_speculative_config
 
     def spec(revision: str | None, k: int = 7) -> SimpleNamespace:
         return speculative_config_stub("org/name", k, revision)
@@ -108,7 +108,7 @@ def test_start_up_check_and_engine_load_the_revision_asked_for(
                              dtype=torch.float32, max_model_len=512)
     # vLLM passes the default revision pinned to its commit.
     main = ResolvedRevision(COMMIT, initial=None, repo_id="org/name")
-    want = DFlashConfig.from_pretrained(drafter)
+    want = load_config(drafter)
     assert validate_speculative_config(spec(main), target) == want
     assert validate_speculative_config(spec(None), target) == want
     v2 = ResolvedRevision(COMMIT_V2, initial="v2", repo_id="org/name")
@@ -122,7 +122,7 @@ def test_start_up_check_and_engine_load_the_revision_asked_for(
 
 def test_a_hub_drafter_is_recognised_by_its_config(hub_cache: Path) -> None:
     # vLLM names the method "dflash" only for ids with "dflash" in them.
-    from vllm_dflash.plugin import is_dflash_checkpoint
+    from vllm_dflash.vllm.config import is_dflash_checkpoint
 
     assert is_dflash_checkpoint("org/name")
     assert not is_dflash_checkpoint("org/other")  # not in the cache, offline

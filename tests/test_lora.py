@@ -97,7 +97,8 @@ def test_drafts_are_accepted_under_lora(speculative):
 def test_target_without_base_head_fails_clearly():
     import torch
 
-    from vllm_dflash.plugin import DFlashSetupError, target_head
+    from vllm_dflash.vllm.config import DFlashSetupError
+    from vllm_dflash.vllm.model_executor import target_head
 
     with pytest.raises(DFlashSetupError, match="has no model.embed_tokens, lm_head, "
                        "logits_processor. Run without --enable-lora"):

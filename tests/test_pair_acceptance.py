@@ -19,7 +19,7 @@ from tests.engines import (
     plain_llm,
     spec_metrics,
 )
-from vllm_dflash.config import DFlashConfig
+from vllm_dflash.checkpoint import load_config
 
 MAX_NEW_TOKENS = 64
 MIN_ACCEPTANCE = 2.5
@@ -81,7 +81,7 @@ def reference_acceptance(pair: Pair, prompt_ids: list[list[int]]) -> float:
 
     budget = MAX_NEW_TOKENS + pair.block_size
     target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
-    architecture = DFlashConfig.from_pretrained(pair.drafter).architecture
+    architecture = load_config(pair.drafter).architecture
     if architecture == "LiLiCorrDraftModel":
         from vllm_dflash.checkpoint import load_drafter
         from vllm_dflash.train.evaluate import speculative_greedy

@@ -12,11 +12,8 @@ accepted (several tokens per step), so stops and limits fall inside verified blo
 import http.client
 import json
 import math
-import os
 import shutil
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,36 +29,13 @@ from tests.engines import (
     heldout_prompts,
     make_pair,
     plain_llm,
+    run_python,
 )
 
-SUBPROCESS_TIMEOUT_S = 600
 SETTLE_TIMEOUT_S = 120
 
 
 # ---- helpers ----------------------------------------------------------------------------------
-
-
-def error_chain(err: BaseException | None) -> str:
-    """The message and every cause in the chain (vLLM may wrap start-up errors)."""
-    texts = []
-    while err is not None:
-        texts.append(f"{type(err).__name__}: {err}")
-        err = err.__cause__ or err.__context__
-    return "\n".join(texts)
-
-
-def run_python(code: str, *args: str, **env: str) -> list[dict]:
-    """Run code in a fresh interpreter; return the JSON objects it printed after 'RESULT '."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                "VLLM_CPU_KVCACHE_SPACE": "1", **env}
-    done = subprocess.run(
-        [sys.executable, "-c", code, *args], check=False, env=full_env, capture_output=True, text=True,
-        timeout=SUBPROCESS_TIMEOUT_S, cwd=Path(__file__).parent.parent,
-    )
-    results = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines()
-               if line.startswith("RESULT ")]
-    assert results, f"rc={done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return results
 
 
 def params(**kwargs):
@@ -282,7 +256,7 @@ def test_a_dflash_drafter_without_method_runs_as_dflash(random_pair):
     # vLLM names the method by the drafter's path ("dflash" in it), else "draft_model".
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_dflash import plugin
+    from vllm_dflash import vllm as plugin
 
     plugin.register()
     spec = {"model": str(random_pair.drafter), "num_speculative_tokens": 3}
@@ -292,7 +266,7 @@ def test_a_dflash_drafter_without_method_runs_as_dflash(random_pair):
 
 
 def test_selected_implementation(monkeypatch):
-    from vllm_dflash.plugin import IMPL_ENV, DFlashSetupError, selected_implementation
+    from vllm_dflash.vllm.config import IMPL_ENV, DFlashSetupError, selected_implementation
 
     monkeypatch.delenv(IMPL_ENV, raising=False)
     assert selected_implementation() == "vllm-dflash"

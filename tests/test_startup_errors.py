@@ -114,22 +114,3 @@ def test_target_without_intermediate_hidden_states_fails_startup(pair, tmp_path)
     text = error_text(excinfo)
     assert "target GPT2LMHeadModel does not return the hidden states" in text, text
     assert "fix: use a target architecture" in text, text
-
-
-def test_model_runner_v2_is_refused(monkeypatch):
-    from vllm_dflash.plugin import DFlashSetupError, require_v1_runner
-
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(DFlashSetupError, match="VLLM_USE_V2_MODEL_RUNNER=1 selects"):
-        require_v1_runner()
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    require_v1_runner()
-
-
-def test_other_vllm_versions_are_refused():
-    from vllm_dflash.plugin import DFlashSetupError, check_vllm_version
-
-    check_vllm_version("0.32.0")
-    check_vllm_version("0.32.0+cpu")
-    with pytest.raises(DFlashSetupError, match="supports vLLM 0.32.0, found vLLM 0.31.1"):
-        check_vllm_version("0.31.1")

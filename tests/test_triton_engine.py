@@ -30,8 +30,9 @@ class KernelRoutes:
     the torch reference."""
 
     def __init__(self) -> None:
-        from vllm_dflash import model, proposer
+        from vllm_dflash import model
         from vllm_dflash.kernels import draft_attention, kv_injection, norm_rope, verify
+        from vllm_dflash.vllm import spec_decode as proposer
 
         self.calls: Counter = Counter()
         self.proposer, self.model, self.verify = proposer, model, verify

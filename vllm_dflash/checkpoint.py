@@ -81,6 +81,11 @@ def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
     return Path(snapshot)
 
 
+def load_config(model: str | Path, revision: str | None = None) -> DFlashConfig:
+    """The DFlashConfig of a drafter directory or hub id (drafter_dir)."""
+    return DFlashConfig.from_dir(drafter_dir(model, revision))
+
+
 def load_drafter(
     path: str | Path,
     dtype: str | torch.dtype | None = None,
@@ -89,7 +94,7 @@ def load_drafter(
     """Build a drafter from a checkpoint dir or hub id (drafter_dir); dtype None keeps the
     checkpoint's (fp32/fp16/bf16)."""
     path = drafter_dir(path)
-    cfg = DFlashConfig.from_pretrained(path)
+    cfg = DFlashConfig.from_dir(path)
     state = _read_weights(path, cfg)
     # Meta device: no time spent on a random init that the checkpoint overwrites.
     with torch.device("meta"):
@@ -141,3 +146,22 @@ def _check_weights(drafter: DFlashDrafter, state: dict[str, torch.Tensor], path:
                 f"weight {key}: expected shape {shape} from config.json, found {found}; "
                 + SHAPE_FIX
             )
+
+
+def check_weight_shapes(path: str | Path, cfg: DFlashConfig) -> None:
+    """Weight names and shapes against cfg, from the safetensors headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        _read_weights(path, cfg)  # raises its "no *.safetensors files" error
+    state = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open has keys(), no __iter__)
+                if not is_shared(key, cfg):
+                    state[key] = torch.empty(f.get_slice(key).get_shape(), device="meta")
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg)
+    _check_weights(drafter, state, path)

@@ -336,12 +336,9 @@ class DFlashConfig:
         )
 
     @classmethod
-    def from_pretrained(cls, model: str | Path) -> "DFlashConfig":
-        """Read config.json of a drafter directory or hub id (checkpoint.drafter_dir)."""
-        from vllm_dflash.checkpoint import drafter_dir  # checkpoint.py imports this module
-
-        path = drafter_dir(model)
-        config_file = path / "config.json"
+    def from_dir(cls, path: str | Path) -> "DFlashConfig":
+        """Read config.json of a drafter directory (checkpoint.load_config also takes hub ids)."""
+        config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise DFlashConfigError(
                 f"no config.json in {str(path)!r}; fix: pass a DFlash checkpoint directory "

@@ -22,7 +22,7 @@ maximises tokens per second of the batch, choosing each k_r from a small fixed s
 decoding; when every k_r is 0 the drafter is skipped (and the step runs as a plain step).
 
 Pure Python + numpy: no vLLM, no device work, no synchronisation. vLLM's scheduler calls it
-(plugin.py), where acceptance counts and step times are already on the host.
+(vllm/scheduler.py), where acceptance counts and step times are already on the host.
 """
 
 import time

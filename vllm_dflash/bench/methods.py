@@ -10,7 +10,7 @@ import json
 import re
 from pathlib import Path
 
-from vllm_dflash.plugin import DRAFT_LENGTH_ENV, IMPL_ENV
+from vllm_dflash.vllm.config import DRAFT_LENGTH_ENV, IMPL_ENV
 
 METHODS = ("none", "vllm-dflash", "vllm-inproc-dflash", "ngram")
 FIXED = re.compile(r"vllm-dflash-k([1-9][0-9]*)")

@@ -640,7 +640,7 @@ def vllm_rejection_sample(
     """
     bonus = bonus_token_ids.view(-1)
     if not any(num_draft_tokens):
-        # A step without drafts runs plain (plugin.py) unless it keeps vLLM's speculative
+        # A step without drafts runs plain (vllm/runner.py) unless it keeps vLLM's speculative
         # path (hybrid targets): then each request takes its bonus token, with no softmax or
         # noise over the vocabulary.
         out = bonus.new_full((len(num_draft_tokens), max_spec_len + 1), -1, dtype=torch.int32)

@@ -1,4 +1,4 @@
-"""DFlash proposer for vLLM's V1 model runners (GPU and CPU).
+"""DFlash proposer for vLLM's V1 model runners (GPU and CPU), vLLM's V1 spec_decode subsystem.
 
 Per step, for the whole batch:
   1. KV injection: the target's features of every token it just ran -> each draft layer's
@@ -18,7 +18,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -35,16 +34,23 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
-from vllm_dflash import checkpoint, plugin
 from vllm_dflash.checkpoint import load_drafter
-from vllm_dflash.config import DFlashConfig, DFlashConfigError, validate_against_target
+from vllm_dflash.config import DFlashConfigError
 from vllm_dflash.draft_graphs import DraftGraphs
 from vllm_dflash.draft_policy import StepProfile
 from vllm_dflash.draft_sampling import DraftSampling, choose_drafts, draft_sampling
 from vllm_dflash.kernels import _compiled
 from vllm_dflash.kernels.draft_attention import DraftBatch, draft_attention, draft_attention_path
 from vllm_dflash.kernels.kv_injection import kv_injection
-from vllm_dflash.model import Attend, DFlashDrafter, SelectorInputs
+from vllm_dflash.model import Attend, SelectorInputs
+from vllm_dflash.vllm.config import (
+    IMPL_ENV,
+    DFlashSetupError,
+    drafter_path,
+    runs_vllm_dflash,
+    validate_speculative_config,
+)
+from vllm_dflash.vllm.model_executor import target_head, use_vllm_cpu_gemm
 
 logger = logging.getLogger("vllm.vllm_dflash")  # inherits vLLM's log handler
 PROFILE_STOP_S = 0.5
@@ -129,81 +135,17 @@ class PromptEmbedsAnchor:
         return self.request.get_token_id(idx)
 
 
-def load_validated_config(vllm_config: VllmConfig) -> DFlashConfig:
-    """Parse the drafter's config and check it against the target before any weight loads."""
-    return validate_speculative_config(vllm_config.speculative_config, vllm_config.model_config)
-
-
-def validate_speculative_config(spec: Any, target: Any) -> DFlashConfig:
-    """Check a `method: "dflash"` SpeculativeConfig against the target's ModelConfig.
-
-    Runs in the worker before the drafter loads, and earlier in the front-end process at
-    config time (plugin.py), where an error reaches the caller before any engine starts.
-    """
-    cfg = DFlashConfig.from_pretrained(drafter_path(spec.draft_model_config))
-    validate_against_target(
-        cfg,
-        target_hidden_size=target.get_hidden_size(),
-        target_num_layers=target.hf_text_config.num_hidden_layers,
-        target_vocab_size=target.get_vocab_size(),
-        num_speculative_tokens=spec.num_speculative_tokens,
-        dtype=target.dtype,
-    )
-    if spec.kv_cache_dtype not in (None, "auto"):
-        raise DFlashConfigError(
-            f"kv_cache_dtype={spec.kv_cache_dtype!r} for the drafter: vllm-dflash keeps the "
-            "drafter's context cache in the model dtype (its KV injection and draft attention "
-            "kernels read no scales); fix: remove kv_cache_dtype from --speculative-config (the "
-            "target's own --kv-cache-dtype is unaffected)."
-        )
-    if spec.draft_model_config.quantization is not None:
-        raise DFlashConfigError(
-            f"quantization={spec.draft_model_config.quantization!r} for the drafter: vllm-dflash "
-            "runs the drafter unquantized, in the target's dtype; fix: remove quantization from "
-            "--speculative-config (the target's own --quantization is unaffected) or use an "
-            "unquantized drafter checkpoint."
-        )
-    if spec.disable_padded_drafter_batch:
-        raise DFlashConfigError(
-            "disable_padded_drafter_batch=True: vllm-dflash drafts the padded batch (every "
-            "request's block in one pass, rejected tokens masked on the device); remove "
-            "disable_padded_drafter_batch from --speculative-config."
-        )
-    return cfg
-
-
-def drafter_path(draft_model_config: Any) -> Path:
-    """The drafter's directory: the model's own, or a hub id's snapshot at the revision asked
-    for (vLLM pins it to a commit, default main)."""
-    revision = draft_model_config.revision
-    return checkpoint.drafter_dir(draft_model_config.model,
-                                  None if revision is None else str(revision))
-
-
-def check_weight_shapes(path: str | Path, cfg: DFlashConfig) -> None:
-    """Weight names and shapes against cfg, from the safetensors headers (no tensor is read)."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        checkpoint._read_weights(path, cfg)  # raises its "no *.safetensors files" error
-    state = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open has keys(), no __iter__)
-                if not checkpoint.is_shared(key, cfg):
-                    state[key] = torch.empty(f.get_slice(key).get_shape(), device="meta")
-    with torch.device("meta"):
-        drafter = DFlashDrafter(cfg)
-    checkpoint._check_weights(drafter, state, path)
-
-
 class DFlashProposer(SpecDecodeBaseProposer):
     """vllm-dflash's proposer; the runner builds it for `method: "dflash"`."""
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner: Any = None) -> None:
-        self.dflash_config = load_validated_config(vllm_config)
+        if not runs_vllm_dflash(vllm_config.speculative_config):
+            raise DFlashSetupError(
+                f"{IMPL_ENV}=vllm was set after vllm-dflash registered with vLLM in this "
+                "process; set it before vLLM is imported (or in the environment of `vllm serve`)."
+            )
+        self.dflash_config = validate_speculative_config(vllm_config.speculative_config,
+                                                        vllm_config.model_config)
         # vLLM's runner reads the aux-hidden-state layers from dflash_config.target_layer_ids;
         # fill in the defaults so it captures exactly the layers this drafter was trained on.
         hf_config = vllm_config.speculative_config.draft_model_config.hf_config
@@ -232,12 +174,11 @@ class DFlashProposer(SpecDecodeBaseProposer):
         ids = self.dflash_config.target_layer_ids
         captured = sorted(set(ids))
         self.feature_order = None if ids == captured else [captured.index(i) for i in ids]
-        plugin.use_dflash_verification()
         logger.info(
-            "vllm-dflash: implementation=vllm-dflash (vllm_dflash.proposer.DFlashProposer), "
+            "vllm-dflash: implementation=vllm-dflash (vllm_dflash.vllm.spec_decode.DFlashProposer), "
             "runner=%s, drafter=%s, block_size=%d, num_speculative_tokens=%d, "
             "draft layers=%d, draft attention=%s",
-            plugin.runner_name(runner),
+            runner_name(runner),
             self.dflash_config.architecture,
             self.dflash_config.block_size,
             self.num_speculative_tokens,
@@ -256,12 +197,16 @@ class DFlashProposer(SpecDecodeBaseProposer):
                 "drafter runs vllm-dflash's draft attention (%s)",
                 vllm_config.speculative_config.attention_backend.name,
                 draft_attention_path(self.device))
-        if self.device.type == "cpu" and not _compiled.cpu_available():
+        cpu = self.device.type == "cpu"
+        compiled_error = _compiled.cpu_import_error if cpu else _compiled.cuda_import_error
+        if compiled_error is not None:
+            # Also where it was built for another torch than this vLLM's (0.33 pins 2.14).
             logger.warning(
-                "vllm-dflash: the compiled CPU kernels do not import (%s); draft attention, KV "
-                "injection, RMSNorm and RoPE run their slower torch fallbacks. Reinstall with a "
-                "C++ compiler and `pip install --no-build-isolation vllm-dflash`.",
-                _compiled.cpu_import_error)
+                "vllm-dflash: the compiled %s kernels do not import (%s); their slower %s "
+                "fallbacks run. Reinstall against this torch (%s) with a %s compiler: "
+                "`pip install --no-build-isolation vllm-dflash`.",
+                "CPU" if cpu else "CUDA", compiled_error, "torch" if cpu else "Triton",
+                torch.__version__, "C++" if cpu else "CUDA")
 
     def _get_eagle3_use_aux_hidden_state_from_config(self) -> bool:
         return True  # the drafter always reads the target's intermediate features
@@ -280,14 +225,14 @@ class DFlashProposer(SpecDecodeBaseProposer):
         self.drafter = load_drafter(
             drafter_path(self.draft_model_config), dtype=self.dtype, device=self.device
         ).eval()
-        self.embed, self.logits = plugin.target_head(
+        self.embed, self.logits = target_head(
             target_model, lora=self.vllm_config.lora_config is not None)
         if self.drafter.lm_head is not None:  # a LiLiCorr drafter's own candidates' head
             self.logits = self.drafter.lm_head
         self.kv_weight = self.drafter.kv_weight()
         self.k_norm_weight = self.drafter.k_norm_weight()
         if self.device.type == "cpu":
-            plugin.use_vllm_cpu_gemm(self.drafter)
+            use_vllm_cpu_gemm(self.drafter)
         # A block starts at most at max_model_len; the drafts past it are never verified, but
         # their positions need RoPE rows (the usual max_model_len is the drafter's trained
         # max_position_embeddings).
@@ -566,3 +511,16 @@ def _time_series(
         if best > PROFILE_STOP_S:
             break
     return xs, list(itertools.accumulate(seconds, max))
+
+
+SUPPORTED_RUNNERS = ("GPUModelRunner (V1)", "CPUModelRunner")
+
+
+def runner_name(runner: object) -> str:
+    name = type(runner).__name__
+    if name not in ("GPUModelRunner", "CPUModelRunner"):
+        raise DFlashSetupError(
+            f"vllm-dflash does not support the model runner {name}; supported: "
+            f"{', '.join(SUPPORTED_RUNNERS)}. Set {IMPL_ENV}=vllm for vLLM's in-tree DFlash."
+        )
+    return name

@@ -1,0 +1,66 @@
+"""What the scheduler does with the draft-length policy each step, without vLLM.
+
+Before a step is scheduled, each decoding request's drafts are cut to the policy's length
+(the scheduler then schedules 1 + k_r tokens for it) and the policy says how many draft
+tokens the drafter proposes at the end of the step. Seeded sampling requests always draft
+the full K: each verified draft token draws from the request's own generator, so its output
+is reproducible only if its draft lengths are, and measured step times are not.
+
+Requests are read by duck typing: `request_id`, `spec_token_ids`, `is_prefill_chunk` and
+`sampling_params` (`seed`, `temperature`), as vLLM's scheduler holds them.
+"""
+
+from collections.abc import Iterable
+from typing import Any
+
+from vllm_dflash.draft_policy import DraftPolicy
+
+
+def is_seeded_sampling(request: Any) -> bool:
+    params = request.sampling_params
+    return params is not None and params.seed is not None and params.temperature > 0
+
+
+class DraftLengthController:
+    """The policy as the scheduler uses it, and the seeded requests it holds."""
+
+    def __init__(self, policy: DraftPolicy, max_draft: int) -> None:
+        self.policy = policy
+        self.max_draft = max_draft
+        self.seeded: set[str] = set()  # ids of the seeded sampling requests held
+
+    def plan_step(self, running: list[Any], waiting: Iterable[Any]) -> int:
+        """Cuts each running decoding request's drafts to its length for the coming step;
+        returns how many draft tokens the drafter proposes at its end."""
+        decoding = [r for r in running if not r.is_prefill_chunk]
+        adaptive = [r for r in decoding if not is_seeded_sampling(r)]
+        plan = self.policy.plan([r.request_id for r in adaptive])
+        for request, length in zip(adaptive, plan.lengths):
+            if len(request.spec_token_ids) > length:
+                request.spec_token_ids = request.spec_token_ids[:length]
+        # Seeded requests prefilled this step (still waiting now) draft K from the start. The
+        # waiting queue (all of an offline batch's prompts) is searched only if a seeded
+        # request is held at all.
+        seeded = len(adaptive) < len(decoding) or (
+            bool(self.seeded) and any(map(is_seeded_sampling, waiting)))
+        return self.max_draft if seeded else plan.num_draft
+
+    def observe_step(self, drafts: list[tuple[str, int, int]], num_tokens: int,
+                     batch_size: int, drafted: bool) -> str | None:
+        """One finished step (see DraftPolicy.observe); returns the policy's summary line
+        when one is due."""
+        self.policy.observe(drafts, num_tokens=num_tokens, batch_size=batch_size,
+                            drafted=drafted)
+        return self.policy.summary()
+
+    def idle(self) -> str | None:
+        """No request left: returns the summary of the burst that ended."""
+        self.policy.idle()
+        return self.policy.summary(flush=True)
+
+    def added(self, request: Any) -> None:
+        if is_seeded_sampling(request):
+            self.seeded.add(request.request_id)
+
+    def freed(self, request: Any) -> None:
+        self.seeded.discard(request.request_id)

@@ -1,0 +1,51 @@
+"""Everything in vllm-dflash that knows vLLM internals, one file per vLLM subsystem:
+
+    config.py          engine configuration: which engines are vllm-dflash's, start-up checks,
+                       the runner a DFlash engine gets
+    runner.py          the V1 model runner: builds the proposer, drafting and plain steps
+    spec_decode.py     the proposer and its draft KV layers (V1 spec_decode)
+    sampler.py         the rejection sampler: verification by vllm-dflash's kernel
+    scheduler.py       the engine core and scheduler: the draft-length policy
+    model_executor.py  the target's embedding and lm_head, vLLM's CPU GEMM
+    contract.py        every vLLM hook the above patch or call, and their check
+
+vLLM loads `register()` through the `vllm.general_plugins` entry point in every vLLM process
+(API server, engine core, workers), whether or not an engine asks for DFlash. So every patch
+leaves vLLM's behaviour unchanged unless the engine runs vllm-dflash (config.runs_vllm_dflash),
+and nothing here writes the process environment or refuses a vLLM version: a vllm-dflash
+engine checks the hook contract at start-up instead.
+"""
+
+import logging
+
+from vllm_dflash.vllm import config, contract
+
+logger = logging.getLogger("vllm.vllm_dflash")  # inherits vLLM's log handler
+
+_registered = False
+
+
+def register() -> None:
+    """Entry point of `vllm.general_plugins`; idempotent."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    if config.steps_aside():
+        return
+    problems = contract.broken_hooks()
+    try:
+        config.patch_engine_args(problems)
+    except (ImportError, AttributeError) as error:  # no start-up check to report through
+        logger.warning("vllm-dflash cannot attach to this vLLM (%s); method \"dflash\" runs "
+                       "vLLM's own DFlash", error)
+        return
+    if problems:  # a vllm-dflash engine fails at start-up naming them; others run as usual
+        return
+    from vllm_dflash.vllm import runner, sampler, scheduler
+
+    config.patch_config()
+    runner.patch_runner()
+    sampler.patch_rejection_sampler()
+    scheduler.patch_engine_core()
+    scheduler.patch_scheduler()

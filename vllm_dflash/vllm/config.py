@@ -1,0 +1,269 @@
+"""vLLM's engine configuration: which engines vllm-dflash runs, the checks at start-up, and the
+runner a DFlash engine gets.
+
+An engine is vllm-dflash's when its speculative config has method "dflash" and
+VLLM_DFLASH_IMPL does not select vLLM's own DFlash (`runs_vllm_dflash`). Every patch here
+returns vLLM's own answer for any other engine.
+"""
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from vllm_dflash import checkpoint
+from vllm_dflash.config import DFlashConfig, DFlashConfigError, validate_against_target
+from vllm_dflash.vllm import contract
+
+logger = logging.getLogger("vllm.vllm_dflash")  # inherits vLLM's log handler
+
+IMPL_ENV = "VLLM_DFLASH_IMPL"
+# "vllm-dflash": this package's proposer, drafter and kernels; "vllm": vLLM's in-tree DFlash.
+IMPLEMENTATIONS = ("vllm-dflash", "vllm")
+DRAFT_LENGTH_ENV = "VLLM_DFLASH_DRAFT_LENGTH"
+# "adaptive": draft_policy.py picks 0..K draft tokens per request every step; "fixed": always K.
+DRAFT_LENGTHS = ("adaptive", "fixed")
+# Why a vllm-dflash engine runs on the V1 runner, as vLLM's own start-up line prints it.
+V2_UNSUPPORTED = (f"vllm-dflash's DFlash (it runs on the V1 runner; {IMPL_ENV}=vllm selects "
+                  "vLLM's in-tree DFlash)")
+
+
+class DFlashSetupError(RuntimeError):
+    """vLLM or the environment cannot run vllm-dflash; the message says how to fix it."""
+
+
+def _env_choice(name: str, choices: tuple[str, ...], what: str) -> str:
+    """The value of env var `name`, one of `choices`; unset or empty means the first."""
+    value = os.environ.get(name, "").strip() or choices[0]
+    if value not in choices:
+        raise DFlashSetupError(
+            f"{name}={value!r} is not {what}; valid values: {', '.join(choices)} "
+            f"(unset means {choices[0]})."
+        )
+    return value
+
+
+def selected_implementation() -> str:
+    return _env_choice(IMPL_ENV, IMPLEMENTATIONS, "a known DFlash implementation")
+
+
+def draft_length_mode() -> str:
+    return _env_choice(DRAFT_LENGTH_ENV, DRAFT_LENGTHS, "a draft-length mode")
+
+
+def steps_aside() -> bool:
+    """VLLM_DFLASH_IMPL=vllm: every engine runs exactly as vLLM alone runs it."""
+    return os.environ.get(IMPL_ENV, "").strip() == "vllm"
+
+
+def runs_vllm_dflash(speculative_config: Any) -> bool:
+    """Whether an engine with this SpeculativeConfig (or None) runs vllm-dflash."""
+    return (speculative_config is not None and speculative_config.method == "dflash"
+            and not steps_aside())
+
+
+def check_vllm(version: str, problems: list[str]) -> None:
+    """Start-up check of a vllm-dflash engine: every hook in contract.HOOKS is there."""
+    supported = f"vLLM {contract.SUPPORTED_RANGE} (checked: {', '.join(contract.CHECKED_VERSIONS)})"
+    if problems:
+        raise DFlashSetupError(
+            f"vllm-dflash cannot run on vLLM {version}: these hooks it relies on are missing or "
+            f"changed: {'; '.join(problems)}. vllm-dflash supports {supported}; install one of "
+            f"those, or set {IMPL_ENV}=vllm for vLLM's in-tree DFlash."
+        )
+    if version.split("+")[0] not in contract.CHECKED_VERSIONS:
+        logger.warning("vllm-dflash: vLLM %s was not checked (supported: %s); every hook it "
+                       "relies on is there, so it runs", version, supported)
+
+
+def patch_engine_args(problems: list[str]) -> None:
+    # Check a `method: "dflash"` config where vLLM builds it, in the caller's process: a bad
+    # drafter or vLLM then fails LLM() / `vllm serve` with vllm-dflash's message before any
+    # engine process starts, not as "Engine core initialization failed" after one did.
+    # Checked on vLLM 0.32.0 and 0.33.0.
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+
+    create = EngineArgs.create_speculative_config
+
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        _select_dflash_method(self)
+        config = create(self, target_model_config, target_parallel_config)
+        if runs_vllm_dflash(config):
+            selected_implementation()
+            check_vllm(vllm.__version__, problems)
+            _check_dflash_config(config, target_model_config, target_parallel_config)
+        return config
+
+    EngineArgs.create_speculative_config = create_speculative_config
+
+
+def patch_config() -> None:
+    from vllm.config import VllmConfig
+    from vllm.sampling_params import SamplingParams
+
+    # vLLM refuses min_p and logit_bias for every speculative method; vllm-dflash applies both
+    # to the verified rows (sampler.py), so its requests keep them. Checked on 0.32.0, 0.33.0.
+    validate = SamplingParams._validate_spec_decode
+
+    def validate_spec_decode(self, speculative_config) -> None:
+        if not runs_vllm_dflash(speculative_config):
+            validate(self, speculative_config)
+
+    SamplingParams._validate_spec_decode = validate_spec_decode
+
+    # The runner: vLLM picks Model Runner V2 unless it lists a feature V2 does not support;
+    # vllm-dflash's proposer runs on the V1 runners, so a vllm-dflash engine lists itself
+    # (vLLM then logs "Model Runner V2 does not yet support ...; using the V1 model runner",
+    # and refuses VLLM_USE_V2_MODEL_RUNNER=1 naming it). Checked on 0.32.0 and 0.33.0.
+    v2_unsupported = VllmConfig._get_v2_model_runner_unsupported_features
+
+    def get_v2_model_runner_unsupported_features(self) -> list[str]:
+        unsupported = v2_unsupported(self)
+        if runs_vllm_dflash(self.speculative_config):
+            unsupported.append(V2_UNSUPPORTED)
+        return unsupported
+
+    VllmConfig._get_v2_model_runner_unsupported_features = get_v2_model_runner_unsupported_features
+
+    # vLLM refuses two kinds of DFlash drafter on the V1 runner, where its own proposer cannot
+    # run them: mixed sliding/full layers (it would need a KV cache group per kind) and
+    # candidate heads, DFlash2's and LiLiCorr's (it would ignore the head). vllm-dflash keeps
+    # every draft layer in one group (a sliding layer masks by its window) and runs both heads.
+    # Checked on 0.32.0 and 0.33.0 (where the candidate check also gates watermarking, which
+    # needs Model Runner V2: vLLM's V2 check then refuses the engine, naming vllm-dflash).
+    for name in ("_is_dflash_candidate_draft", "_dflash_needs_multi_kv_group"):
+        setattr(VllmConfig, name, _false_for_vllm_dflash(getattr(VllmConfig, name)))
+
+
+def _false_for_vllm_dflash(check):
+    def patched(self) -> bool:
+        return False if runs_vllm_dflash(self.speculative_config) else check(self)
+
+    return patched
+
+
+def _select_dflash_method(args) -> None:
+    """EngineArgs with a DFlash drafter and no method get method "dflash"."""
+    if steps_aside():
+        return
+    spec = args.speculative_config if isinstance(args.speculative_config, dict) else {}
+    method = args.spec_method or spec.get("method")
+    model = args.spec_model or spec.get("model")
+    if method in (None, "draft_model") and is_dflash_checkpoint(model):
+        # vLLM detects "dflash" by the drafter's name only; under another name it would run
+        # this drafter as a plain draft model, whose drafts are never accepted.
+        if method == "draft_model":
+            raise DFlashSetupError(
+                f'{model!r} is a DFlash drafter (DFlashDraftModel), but the speculative '
+                'config has method "draft_model"; set "method": "dflash".'
+            )
+        logger.info("vllm-dflash: %s is a DFlash drafter; method \"dflash\"", model)
+        method = "dflash"
+        if args.speculative_config is None:
+            args.spec_method = method
+        else:
+            args.speculative_config = {**spec, "method": method}
+    if method == "dflash" and not model:
+        raise DFlashSetupError(
+            'speculative config has method "dflash" but no "model"; set "model" to the DFlash '
+            "drafter checkpoint (a directory with config.json and *.safetensors, or a hub id), "
+            'e.g. {"method": "dflash", "model": "z-lab/Qwen3-8B-DFlash-b16", '
+            '"num_speculative_tokens": 15}.'
+        )
+
+
+def _check_dflash_config(config, target_model_config, target_parallel_config) -> None:
+    """What would stop the engine later, or run it wrongly, as a start-up error now."""
+    from vllm.platforms import current_platform
+
+    draft_length_mode()
+    if getattr(config, "rejection_sample_method", "standard") == "fly":
+        raise DFlashSetupError(
+            'rejection_sample_method "fly" is lossy (it accepts drafts the target would not '
+            "have produced); vllm-dflash verifies exactly. Use \"standard\" or \"block\", or "
+            f"set {IMPL_ENV}=vllm for vLLM's in-tree DFlash with FLy."
+        )
+    stages = target_parallel_config.pipeline_parallel_size
+    if stages > 1:
+        raise DFlashSetupError(
+            f'method "dflash" does not run with pipeline parallelism '
+            f"(pipeline_parallel_size={stages}: the first stage has no drafter, as for vLLM's "
+            "in-tree DFlash on the V1 runner); use tensor parallelism (--tensor-parallel-size)."
+        )
+    if current_platform.is_cpu() and target_model_config.is_hybrid:
+        raise DFlashSetupError(
+            f"the target {target_model_config.architecture} has recurrent (mamba / "
+            "linear-attention) layers; with speculative decoding vLLM 0.32 copies their "
+            "state with a Triton kernel that its CPU build lacks (the first request would stop "
+            "the engine, for vLLM's in-tree DFlash too); run this target without "
+            "--speculative-config on CPU."
+        )
+    # A hub drafter resolves to its snapshot (fetched here if need be, as the worker would).
+    cfg = validate_speculative_config(config, target_model_config)
+    checkpoint.check_weight_shapes(drafter_path(config.draft_model_config), cfg)
+
+
+def validate_speculative_config(spec: Any, target: Any) -> DFlashConfig:
+    """Check a `method: "dflash"` SpeculativeConfig against the target's ModelConfig.
+
+    Runs in the worker before the drafter loads, and earlier in the front-end process at
+    config time, where an error reaches the caller before any engine starts.
+    """
+    cfg = DFlashConfig.from_dir(drafter_path(spec.draft_model_config))
+    validate_against_target(
+        cfg,
+        target_hidden_size=target.get_hidden_size(),
+        target_num_layers=target.hf_text_config.num_hidden_layers,
+        target_vocab_size=target.get_vocab_size(),
+        num_speculative_tokens=spec.num_speculative_tokens,
+        dtype=target.dtype,
+    )
+    if spec.kv_cache_dtype not in (None, "auto"):
+        raise DFlashConfigError(
+            f"kv_cache_dtype={spec.kv_cache_dtype!r} for the drafter: vllm-dflash keeps the "
+            "drafter's context cache in the model dtype (its KV injection and draft attention "
+            "kernels read no scales); fix: remove kv_cache_dtype from --speculative-config (the "
+            "target's own --kv-cache-dtype is unaffected)."
+        )
+    if spec.draft_model_config.quantization is not None:
+        raise DFlashConfigError(
+            f"quantization={spec.draft_model_config.quantization!r} for the drafter: vllm-dflash "
+            "runs the drafter unquantized, in the target's dtype; fix: remove quantization from "
+            "--speculative-config (the target's own --quantization is unaffected) or use an "
+            "unquantized drafter checkpoint."
+        )
+    if spec.disable_padded_drafter_batch:
+        raise DFlashConfigError(
+            "disable_padded_drafter_batch=True: vllm-dflash drafts the padded batch (every "
+            "request's block in one pass, rejected tokens masked on the device); remove "
+            "disable_padded_drafter_batch from --speculative-config."
+        )
+    return cfg
+
+
+def drafter_path(draft_model_config: Any) -> Path:
+    """The drafter's directory: the model's own, or a hub id's snapshot at the revision asked
+    for (vLLM pins it to a commit, default main)."""
+    revision = draft_model_config.revision
+    return checkpoint.drafter_dir(draft_model_config.model,
+                                  None if revision is None else str(revision))
+
+
+def is_dflash_checkpoint(model: str | None) -> bool:
+    """Whether the config.json of `model`, a directory or a hub id, names DFlashDraftModel."""
+    config = Path(model or "") / "config.json"
+    if not config.is_file():
+        # Only "org/name": vLLM's method names ("ngram") and proposer paths are no drafters.
+        if (not model or "/" not in model or Path(model).exists()
+                or not checkpoint.is_hub_id(model)):
+            return False
+        from huggingface_hub import constants, hf_hub_download
+
+        try:  # vLLM fetches the same file next, to build the drafter's model config
+            config = Path(hf_hub_download(model, "config.json",
+                                          local_files_only=constants.HF_HUB_OFFLINE))
+        except OSError:  # not found or not reachable: vLLM's own loading reports it
+            return False
+    return "DFlashDraftModel" in (json.loads(config.read_text()).get("architectures") or ())

@@ -1,0 +1,119 @@
+"""vLLM's V1 model runner (GPUModelRunner, and CPUModelRunner, its subclass): it builds
+vllm-dflash's proposer for a vllm-dflash engine. Every patch here runs vLLM's own code unless
+the runner's drafter is vllm-dflash's. Checked on vLLM 0.32.0 and 0.33.0.
+"""
+
+from vllm_dflash.vllm.config import runs_vllm_dflash
+from vllm_dflash.vllm.spec_decode import DFlashProposer
+
+
+def patch_runner() -> None:
+    from vllm.platforms import current_platform
+    from vllm.v1.worker import gpu_model_runner
+
+    # The runner builds and type-checks its drafter through the module-level name
+    # `DFlashProposer` when the method is "dflash"; rebinding it swaps in ours.
+    gpu_model_runner.DFlashProposer = DFlashProposer
+    _patch_logitsprocs(gpu_model_runner)
+    _patch_drafting(gpu_model_runner.GPUModelRunner)
+    if current_platform.is_cpu():
+        _patch_cpu_seeded_chunked_prefill(gpu_model_runner.GPUModelRunner)
+
+
+def _patch_logitsprocs(gpu_model_runner) -> None:
+    # With speculation vLLM builds only the min-tokens logits processor; vllm-dflash applies
+    # the min_p and logit_bias ones to verified rows too (sampler.py).
+    build = gpu_model_runner.build_logitsprocs
+
+    def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model,
+                          custom_logitsprocs=()):
+        if (not runs_vllm_dflash(vllm_config.speculative_config) or is_pooling_model
+                or custom_logitsprocs):
+            return build(vllm_config, device, is_pin_memory, is_pooling_model,
+                         custom_logitsprocs)
+        from vllm.v1.sample.logits_processor import (
+            BUILTIN_LOGITS_PROCESSORS,
+            LogitsProcessors,
+        )
+
+        return LogitsProcessors(ctor(vllm_config, device, is_pin_memory)
+                                for ctor in BUILTIN_LOGITS_PROCESSORS)
+
+    gpu_model_runner.build_logitsprocs = build_logitsprocs
+
+
+def _uses_vllm_dflash(runner) -> bool:
+    return isinstance(getattr(runner, "drafter", None), DFlashProposer)
+
+
+def _patch_drafting(runner) -> None:
+    # vLLM skips the drafter for the whole batch once one request is within a block of
+    # max_model_len (a drafter's own position limit). This drafter has none (its RoPE table
+    # covers max_model_len + block), and a skipped step would leave that step's tokens out of
+    # every other request's drafter context: lower acceptance for the rest of their lives.
+    fits = runner._input_fits_in_drafter
+
+    def input_fits_in_drafter(self, common_attn_metadata) -> bool:
+        if _uses_vllm_dflash(self):
+            return common_attn_metadata is not None
+        return fits(self, common_attn_metadata)
+
+    runner._input_fits_in_drafter = input_fits_in_drafter
+
+    # vLLM takes its speculative path on every step of a speculative engine: spec-decode
+    # metadata and the rejection sampler even when no request has drafts, which is every step
+    # while the draft-length policy has drafting off. Such a step is a plain one: vLLM's
+    # non-speculative inputs and sampler give the same tokens, and the proposer still gets
+    # every token's features (its KV injection). Hybrid targets keep the speculative path: their
+    # recurrent state reads zero-draft decode rows at an offset only that path applies.
+    prepare_inputs = runner._prepare_inputs
+
+    def prepare_plain_step_inputs(self, scheduler_output, num_scheduled_tokens):
+        if (scheduler_output.scheduled_spec_decode_tokens or self.model_config.is_hybrid
+                or not _uses_vllm_dflash(self)):
+            return prepare_inputs(self, scheduler_output, num_scheduled_tokens)
+        speculative_config, self.speculative_config = self.speculative_config, None
+        try:
+            return prepare_inputs(self, scheduler_output, num_scheduled_tokens)
+        finally:
+            self.speculative_config = speculative_config
+
+    runner._prepare_inputs = prepare_plain_step_inputs
+
+
+def _patch_cpu_seeded_chunked_prefill(runner) -> None:
+    # vLLM 0.32 samples a token for every scheduled request, also one whose prompt is only
+    # partly prefilled, and discards it. So that the discarded sample does not advance a seeded
+    # request's generator (its output must not depend on how the prompt was chunked),
+    # _bookkeeping_sync rewinds it with Generator.set_offset, which CPU generators lack: the
+    # engine stops ("CPU Generator does not use offset"), with or without speculation. In a
+    # vllm-dflash engine on CPU, save those generators' states before sampling and restore
+    # them after, which is the rewind done exactly, and keep _bookkeeping_sync from rewinding
+    # them again. Other engines keep vLLM's behaviour, failure included.
+    sample, bookkeeping = runner._sample, runner._bookkeeping_sync
+
+    def sample_keeping_discarded_generators(self, logits, spec_decode_metadata):
+        if not _uses_vllm_dflash(self):
+            return sample(self, logits, spec_decode_metadata)
+        generators = self.input_batch.generators
+        num_reqs = self.input_batch.num_reqs
+        discarded = self.discard_request_mask.np[:num_reqs].nonzero()[0].tolist()
+        saved = {i: generators[i].get_state() for i in discarded if i in generators}
+        output = sample(self, logits, spec_decode_metadata)
+        for i, state in saved.items():
+            generators[i].set_state(state)
+        return output
+
+    def bookkeeping_without_rewind(self, *args, **kwargs):
+        if not _uses_vllm_dflash(self):
+            return bookkeeping(self, *args, **kwargs)
+        # input_batch.generators is read in _bookkeeping_sync only for the rewind.
+        generators = self.input_batch.generators
+        self.input_batch.generators = {}
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            self.input_batch.generators = generators
+
+    runner._sample = sample_keeping_discarded_generators
+    runner._bookkeeping_sync = bookkeeping_without_rewind
