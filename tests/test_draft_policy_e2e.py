@@ -123,7 +123,10 @@ def assert_seeded_sampling_reproducible(pair: Pair, max_num_seqs: int, prompts) 
     try:
         first, second = seeded_and_greedy_twice(llm, prompts, max_tokens=32)
         assert first == second
-        assert llm.llm_engine.engine_core.engine_core.scheduler.vllm_dflash_seeded == set()
+        from vllm_dflash.vllm.scheduler import _controllers
+
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        assert _controllers[scheduler].seeded == set()
     finally:
         del llm
 

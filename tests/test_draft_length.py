@@ -1,0 +1,77 @@
+"""The draft-length controller (draft_length.py) without vLLM: what the scheduler does with the
+policy each step, on stand-in requests and a policy whose plan is set by the test."""
+
+from types import SimpleNamespace
+
+from vllm_dflash.draft_length import DraftLengthController, is_seeded_sampling
+from vllm_dflash.draft_policy import Plan
+
+K = 7
+
+
+class FixedPolicy:
+    """Plans the lengths it is given, in request order; records what it is told."""
+
+    def __init__(self, lengths: list[int], num_draft: int) -> None:
+        self.lengths, self.num_draft = lengths, num_draft
+        self.planned: list[list[str]] = []
+        self.observed: list[tuple] = []
+        self.idled = 0
+
+    def plan(self, req_ids: list[str]) -> Plan:
+        self.planned.append(req_ids)
+        return Plan(self.lengths[: len(req_ids)], self.num_draft)
+
+    def observe(self, drafts, num_tokens, batch_size, drafted) -> None:
+        self.observed.append((drafts, num_tokens, batch_size, drafted))
+
+    def summary(self, flush: bool = False) -> str | None:
+        return "flushed" if flush else None
+
+    def idle(self) -> None:
+        self.idled += 1
+
+
+def request(req_id: str, drafts: int = K, prefill: bool = False, seed: int | None = None,
+            temperature: float = 0.0) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=req_id, spec_token_ids=list(range(drafts)), is_prefill_chunk=prefill,
+        sampling_params=SimpleNamespace(seed=seed, temperature=temperature))
+
+
+def test_drafts_are_cut_to_the_planned_lengths():
+    policy = FixedPolicy([0, 3, 7], num_draft=3)
+    controller = DraftLengthController(policy, K)
+    running = [request("a"), request("b"), request("c", drafts=2), request("p", prefill=True)]
+    assert controller.plan_step(running, waiting=[]) == 3
+    assert policy.planned == [["a", "b", "c"]]  # prefill chunks are not planned
+    assert [len(r.spec_token_ids) for r in running] == [0, 3, 2, K]
+
+
+def test_seeded_sampling_requests_keep_full_drafts():
+    policy = FixedPolicy([0, 0], num_draft=0)
+    controller = DraftLengthController(policy, K)
+    seeded = request("s", seed=1, temperature=0.8)
+    assert is_seeded_sampling(seeded)
+    assert not is_seeded_sampling(request("g", seed=1, temperature=0.0))  # greedy: no draws
+    controller.added(seeded)
+    running = [request("a"), seeded]
+    # The drafter proposes K for the seeded request, whatever the plan for the others.
+    assert controller.plan_step(running, waiting=[]) == K
+    assert policy.planned == [["a"]]
+    assert len(running[0].spec_token_ids) == 0 and len(seeded.spec_token_ids) == K
+    # A seeded request still waiting (prefilled this step) drafts K from its first step.
+    assert controller.plan_step([request("a")], waiting=[seeded]) == K
+    controller.freed(seeded)
+    assert controller.seeded == set()
+    # Without a seeded request held, the waiting queue is not searched.
+    assert controller.plan_step([request("a")], waiting=[seeded]) == 0
+
+
+def test_observations_and_idle_reach_the_policy():
+    policy = FixedPolicy([], num_draft=0)
+    controller = DraftLengthController(policy, K)
+    assert controller.observe_step([("a", 7, 3)], num_tokens=9, batch_size=2,
+                                   drafted=True) is None
+    assert policy.observed == [([("a", 7, 3)], 9, 2, True)]
+    assert controller.idle() == "flushed" and policy.idled == 1
