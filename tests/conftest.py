@@ -1,3 +1,6 @@
+"""Shared fixtures. Those of tests/engines.py import it inside, so that modules without engines
+do not get its environment settings."""
+
 from collections.abc import Callable
 
 import pytest
@@ -32,3 +35,40 @@ def make_config() -> Callable[..., DFlashConfig]:
         return DFlashConfig(**(fields | overrides))
 
     return make
+
+
+@pytest.fixture(scope="module")
+def random_pair(tmp_path_factory):
+    """A random-weight target and drafter (tests/engines.make_pair), one per module."""
+    from tests.engines import make_pair
+
+    return make_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def trained_pair():
+    """The committed trained pair (tests/fixtures/pair): its drafts are really accepted."""
+    from tests.engines import TRAINED
+
+    return TRAINED
+
+
+@pytest.fixture(scope="module")
+def useless_pair(tmp_path_factory):
+    """The trained target with a random one-layer drafter: its drafts are almost never
+    accepted."""
+    from tests.engines import TRAINED, Pair
+    from vllm_dflash.tiny import write_random_drafter
+
+    drafter = tmp_path_factory.mktemp("random") / "drafter"
+    write_random_drafter(drafter, TRAINED.target, block_size=8, num_layers=1)
+    return Pair(TRAINED.target, drafter, 8)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[dict]:
+    """All of the trained pair's held-out prompts; a module that needs others defines its own
+    `prompts`."""
+    from tests.engines import heldout_prompts
+
+    return heldout_prompts()

@@ -5,6 +5,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,12 +165,20 @@ def alone_batched_structured(llm, prompts: list[dict], max_tokens: int,
     return {"alone": single, "batch": batch, "structured": structured}
 
 
-def greedy_baseline(target: Path, prompts: list, max_tokens: int, max_num_seqs: int) -> list:
-    """Greedy token ids of prompts from an engine without speculation (then freed)."""
-    llm = plain_llm(target, max_num_seqs=max_num_seqs)
-    result = generate_ids(llm, prompts, max_tokens=max_tokens, ignore_eos=True)
+def plain_run(target: Path, run: Callable, **engine):
+    """run(llm) on an engine without speculation (engine: LLM arguments); the engine is freed
+    before this returns."""
+    llm = plain_llm(target, **engine)
+    result = run(llm)
     del llm
     return result
+
+
+def greedy_baseline(target: Path, prompts: list, max_tokens: int, **engine) -> list:
+    """Greedy token ids of prompts (to max_tokens, past EOS) from an engine without
+    speculation (engine: LLM arguments), then freed."""
+    return plain_run(target, lambda llm: generate_ids(llm, prompts, max_tokens=max_tokens,
+                                                      ignore_eos=True), **engine)
 
 
 def assert_lossless_and_reproducible(llm, prompts: list, baseline: list, max_tokens: int,

@@ -19,8 +19,7 @@ from tests.engines import (
     alone_batched_structured,
     dflash_llm,
     generate_ids,
-    heldout_prompts,
-    plain_llm,
+    plain_run,
     seeded_and_greedy_twice,
     spec_metrics,
 )
@@ -68,11 +67,6 @@ def async_llm(pair: Pair, **kwargs):
     return llm
 
 
-@pytest.fixture(scope="module")
-def prompts() -> list[dict]:
-    return heldout_prompts()
-
-
 def outputs(llm, prompts: list[dict]) -> dict[str, list[list[int]]]:
     return alone_batched_structured(llm, prompts, MAX_NEW_TOKENS, alone=4)
 
@@ -84,10 +78,8 @@ def long_outputs(llm, prompts: list[dict]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def baseline(prompts):
-    llm = plain_llm(TRAINED.target, max_num_seqs=16)
-    result = outputs(llm, prompts) | {"long": long_outputs(llm, prompts)}
-    del llm
-    return result
+    return plain_run(TRAINED.target, max_num_seqs=16,
+                     run=lambda llm: outputs(llm, prompts) | {"long": long_outputs(llm, prompts)})
 
 
 @pytest.mark.parametrize("draft_length", ["fixed", "adaptive"], indirect=True)
@@ -108,12 +100,8 @@ def test_greedy_equals_no_speculation(draft_length, baseline, prompts):
 
 @pytest.mark.parametrize("draft_length", ["adaptive"], indirect=True)
 def test_useless_drafter_is_switched_off_losslessly(draft_length, baseline, prompts,
-                                                   tmp_path_factory):
-    from vllm_dflash.tiny import write_random_drafter
-
-    drafter = tmp_path_factory.mktemp("random") / "drafter"
-    write_random_drafter(drafter, TRAINED.target, block_size=8, num_layers=1)
-    llm = async_llm(Pair(TRAINED.target, drafter, 8))
+                                                   useless_pair):
+    llm = async_llm(useless_pair)
     try:
         got = outputs(llm, prompts)
         m = spec_metrics(llm)

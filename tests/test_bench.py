@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines import MAX_MODEL_LEN, TRAINED
+from tests.engines import MAX_MODEL_LEN
 from vllm_dflash.bench.counters import SpecCounters, acceptance, from_prometheus
 from vllm_dflash.bench.prompts import requests_for
 from vllm_dflash.bench.report import compare_to_baseline, median_of_repeats, paired_ratios
@@ -20,13 +20,9 @@ PROMPTS = ["def fibonacci(n):", "import os\n"]
 K = 7  # the drafter's block_size - 1: the bench's default
 
 
-@pytest.fixture(scope="module")
-def pair():
-    # Drafts that are accepted: the adaptive length keeps drafting (a random drafter may be
-    # switched off within the few steps of a run, leaving no acceptance to report).
-    return TRAINED
-
-
+# Every run benches the trained pair, whose drafts are accepted: the adaptive length keeps
+# drafting (a random drafter may be switched off within the few steps of a run, leaving no
+# acceptance to report).
 def bench(pair, out: Path, *args: str) -> dict:
     prompts = out.parent / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
@@ -37,9 +33,9 @@ def bench(pair, out: Path, *args: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def offline(pair, tmp_path_factory):
+def offline(trained_pair, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_offline") / "out"
-    return bench(pair, out, "--concurrency", "1,2",
+    return bench(trained_pair, out, "--concurrency", "1,2",
                  "--methods", "none,vllm-dflash,vllm-dflash-k7"), out
 
 
@@ -86,12 +82,12 @@ def test_offline_numbers_are_sane(offline):
             assert all(0.0 <= a <= 1.0 for a in run["acceptance_per_position"])
 
 
-def test_sampling_and_extra_speculative_config_reach_the_dflash_methods(pair, tmp_path):
+def test_sampling_and_extra_speculative_config_reach_the_dflash_methods(trained_pair, tmp_path):
     # Synthetic acceptance (vLLM's benchmark mode): length 4.0 at K = 7 accepts exactly 3
     # drafts per step. (vLLM's CPU build refuses it for its own drafters, the in-tree DFlash
     # included: "Synthetic acceptance not supported with CPU sampling".)
     extra = {"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 4.0}
-    report = bench(pair, tmp_path / "out", "--concurrency", "1", "--temperature", "1.0",
+    report = bench(trained_pair, tmp_path / "out", "--concurrency", "1", "--temperature", "1.0",
                    "--methods", "none,vllm-dflash-k7", "--speculative-config", json.dumps(extra))
     assert report["meta"]["temperature"] == 1.0
     assert report["meta"]["speculative_extra"] == extra
@@ -103,8 +99,8 @@ def test_sampling_and_extra_speculative_config_reach_the_dflash_methods(pair, tm
             assert run["acceptance_per_position"] == [1.0] * 3 + [0.0] * (K - 3), run
 
 
-def test_server_mode_reports_latencies(pair, tmp_path):
-    report = bench(pair, tmp_path / "out", "--server", "--concurrency", "2",
+def test_server_mode_reports_latencies(trained_pair, tmp_path):
+    report = bench(trained_pair, tmp_path / "out", "--server", "--concurrency", "2",
                    "--methods", "vllm-dflash")
     # The server's engine-core process loads the plugin itself: the policy is on there too.
     log = (tmp_path / "out" / "logs" / "server-vllm-dflash-c2.log").read_text()

@@ -14,8 +14,7 @@ from tests.engines import (
     alone_batched_structured,
     dflash_llm,
     generate_ids,
-    heldout_prompts,
-    plain_llm,
+    plain_run,
     seeded_and_greedy_twice,
     spec_metrics,
 )
@@ -43,11 +42,6 @@ def adaptive():
         os.environ["VLLM_DFLASH_DRAFT_LENGTH"] = old
 
 
-@pytest.fixture(scope="module")
-def prompts() -> list[dict]:
-    return heldout_prompts()
-
-
 def outputs(llm, prompts: list[dict]) -> dict[str, list[list[int]]]:
     return alone_batched_structured(llm, prompts, MAX_NEW_TOKENS)
 
@@ -59,10 +53,8 @@ def long_outputs(llm, prompts: list[dict]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def baseline(prompts):
-    llm = plain_llm(TRAINED.target, max_num_seqs=16)
-    result = outputs(llm, prompts) | {"long": long_outputs(llm, prompts)}
-    del llm
-    return result
+    return plain_run(TRAINED.target, max_num_seqs=16,
+                     run=lambda llm: outputs(llm, prompts) | {"long": long_outputs(llm, prompts)})
 
 
 @pytest.fixture(scope="module")
@@ -72,16 +64,6 @@ def trained_run(adaptive, baseline, prompts):
     metrics = spec_metrics(llm)  # read before the next engine re-registers vLLM's metrics
     del llm
     return result, metrics
-
-
-@pytest.fixture(scope="module")
-def useless_pair(tmp_path_factory) -> Pair:
-    """The trained target with a random drafter: its drafts are almost never accepted."""
-    from vllm_dflash.tiny import write_random_drafter
-
-    drafter = tmp_path_factory.mktemp("random") / "drafter"
-    write_random_drafter(drafter, TRAINED.target, block_size=8, num_layers=1)
-    return Pair(TRAINED.target, drafter, 8)
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ from tests.engines import (
     TRAINED,
     dflash_llm,
     generate_ids,
+    greedy_baseline,
     heldout_prompts,
-    plain_llm,
     spec_metrics,
 )
 
@@ -24,9 +24,7 @@ def cache_dtypes(worker) -> tuple[set, set]:
 
 def test_fp8_kv_cache_equals_no_speculation():
     prompts = heldout_prompts(8)
-    llm = plain_llm(TRAINED.target, kv_cache_dtype="fp8")
-    want = generate_ids(llm, prompts, max_tokens=48, ignore_eos=True)
-    del llm
+    want = greedy_baseline(TRAINED.target, prompts, 48, kv_cache_dtype="fp8")
     llm = dflash_llm(TRAINED, TRAINED.block_size - 1, kv_cache_dtype="fp8")
     target_dtypes, draft_dtypes = llm.collective_rpc(cache_dtypes)[0]
     assert target_dtypes == {torch.uint8} and draft_dtypes == {torch.float32}

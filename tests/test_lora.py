@@ -13,7 +13,7 @@ from tests.engines import (
     TRAINED,
     dflash_llm,
     heldout_prompts,
-    plain_llm,
+    plain_run,
     spec_metrics,
     write_random_lora,
 )
@@ -55,10 +55,7 @@ def run(llm, prompts: list[dict], adapters: list) -> dict[str, list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def baseline(prompts, adapters):
-    llm = plain_llm(TRAINED.target, **LORA)
-    outputs = run(llm, prompts, adapters)
-    del llm
-    return outputs
+    return plain_run(TRAINED.target, lambda llm: run(llm, prompts, adapters), **LORA)
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from tests.engines import (
     Pair,
     dflash_llm,
     generate_ids,
+    greedy_baseline,
     heldout_ids,
-    plain_llm,
     spec_metrics,
 )
 from vllm_dflash.checkpoint import load_config
@@ -38,10 +38,7 @@ def prompts(prompt_ids) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def baseline(prompts) -> list[list[int]]:
-    llm = plain_llm(TRAINED.target)
-    want = generate_ids(llm, prompts, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-    del llm
-    return want
+    return greedy_baseline(TRAINED.target, prompts, MAX_NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -14,18 +14,12 @@ from tests.engines import (
     LogLines,
     dflash_llm,
     generate_ids,
-    heldout_prompts,
-    plain_llm,
+    greedy_baseline,
     spec_metrics,
 )
 
 K = 7
 MAX_NEW_TOKENS = 64
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[dict]:
-    return heldout_prompts()
 
 
 def acceptance_at_t1(llm, prompts: list[dict]) -> float:
@@ -57,10 +51,7 @@ def run(llm, prompts: list[dict]) -> dict:
 
 @pytest.fixture(scope="module")
 def baseline(prompts):
-    llm = plain_llm(TRAINED.target, max_num_seqs=16)
-    result = generate_ids(llm, prompts, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-    del llm
-    return result
+    return greedy_baseline(TRAINED.target, prompts, MAX_NEW_TOKENS, max_num_seqs=16)
 
 
 @pytest.fixture(scope="module")

@@ -22,12 +22,10 @@ import torch
 
 from tests.engines import (
     MAX_MODEL_LEN,
-    TRAINED,
     Pair,
     dflash_llm,
     generate_ids,
     heldout_prompts,
-    make_pair,
     plain_llm,
     run_python,
 )
@@ -81,20 +79,10 @@ def corrupted_copy(drafter: Path, out: Path, edit) -> Path:
 
 
 @pytest.fixture(scope="module")
-def random_pair(tmp_path_factory) -> Pair:
-    return make_pair(tmp_path_factory.mktemp("pair"))
-
-
-@pytest.fixture(scope="module")
-def trained() -> Pair:
-    return TRAINED
-
-
-@pytest.fixture(scope="module")
-def tokenizer(trained):
+def tokenizer(trained_pair):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(trained.target)
+    return AutoTokenizer.from_pretrained(trained_pair.target)
 
 
 @pytest.fixture(scope="module")
@@ -103,15 +91,15 @@ def prompts() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def baseline(trained):
-    llm = plain_llm(trained.target)
+def baseline(trained_pair):
+    llm = plain_llm(trained_pair.target)
     yield llm
     del llm
 
 
 @pytest.fixture(scope="module")
-def dflash(trained, baseline):
-    llm = dflash_llm(trained, trained.block_size - 1)
+def dflash(trained_pair, baseline):
+    llm = dflash_llm(trained_pair, trained_pair.block_size - 1)
     yield llm
     del llm
 
@@ -322,9 +310,9 @@ for name, kwargs in [("min_p", {"min_p": 0.1}), ("logit_bias", {"logit_bias": {5
 """
 
 
-def test_min_p_and_logit_bias_run_where_vllm_in_tree_dflash_refuses_them(trained, dflash):
-    spec = {"method": "dflash", "model": str(trained.drafter), "num_speculative_tokens": 7}
-    in_tree = run_python(REFUSED_SCRIPT, str(trained.target), json.dumps(spec),
+def test_min_p_and_logit_bias_run_where_vllm_in_tree_dflash_refuses_them(trained_pair, dflash):
+    spec = {"method": "dflash", "model": str(trained_pair.drafter), "num_speculative_tokens": 7}
+    in_tree = run_python(REFUSED_SCRIPT, str(trained_pair.target), json.dumps(spec),
                          VLLM_DFLASH_IMPL="vllm", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     for result in in_tree:
         assert "not yet supported with speculative decoding" in result["error"], result
@@ -553,9 +541,11 @@ def nan_layer_0(state: dict) -> None:
 
 
 @pytest.mark.parametrize("corrupt", [randomize, nan_layer_0], ids=["random", "nan-layer-0"])
-def test_corrupted_drafter_weights_keep_output(trained, baseline, prompts, tmp_path, corrupt):
-    drafter = corrupted_copy(trained.drafter, tmp_path / "drafter", corrupt)
-    llm = dflash_llm(Pair(trained.target, drafter, trained.block_size), trained.block_size - 1)
+def test_corrupted_drafter_weights_keep_output(trained_pair, baseline, prompts, tmp_path,
+                                               corrupt):
+    drafter = corrupted_copy(trained_pair.drafter, tmp_path / "drafter", corrupt)
+    k = trained_pair.block_size - 1
+    llm = dflash_llm(Pair(trained_pair.target, drafter, trained_pair.block_size), k)
     try:
         want = generate_ids(baseline, prompts, max_tokens=32)
         assert generate_ids(llm, prompts, max_tokens=32) == want

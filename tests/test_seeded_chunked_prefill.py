@@ -11,18 +11,12 @@ engine unchunked, not with the other.
 
 import pytest
 
-from tests.engines import TRAINED, Pair, dflash_llm, heldout_ids, plain_llm, spec_metrics
+from tests.engines import dflash_llm, heldout_ids, plain_llm, spec_metrics
 
 # 64 tokens a step: the 300- and 130-token prompts take several steps, the short ones share the
 # budget with them. 1024: the whole batch (about 650 prompt tokens) is prefilled in one step.
 CHUNKED = {"max_num_batched_tokens": 64}
 UNCHUNKED = {"max_num_batched_tokens": 1024}
-
-
-@pytest.fixture(scope="module")
-def trained() -> Pair:
-    # Its drafts are really accepted, so seeded requests go through rejection sampling.
-    return TRAINED
 
 
 @pytest.fixture(scope="module")
@@ -34,31 +28,33 @@ def batch() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def plain_unchunked(trained):
-    llm = plain_llm(trained.target, **UNCHUNKED)
+def plain_unchunked(trained_pair):
+    llm = plain_llm(trained_pair.target, **UNCHUNKED)
     yield llm
     del llm
 
 
 @pytest.fixture(scope="module")
-def plain_chunked(trained, plain_unchunked):
-    llm = plain_llm(trained.target, **CHUNKED)
+def plain_chunked(trained_pair, plain_unchunked):
+    llm = plain_llm(trained_pair.target, **CHUNKED)
     yield llm
     del llm
 
 
 @pytest.fixture(scope="module")
-def dflash_unchunked(trained, plain_chunked):
-    llm = dflash_llm(trained, trained.block_size - 1, **UNCHUNKED)
+def dflash_unchunked(trained_pair, plain_chunked):
+    # The trained pair's drafts are really accepted, so seeded requests go through rejection
+    # sampling.
+    llm = dflash_llm(trained_pair, trained_pair.block_size - 1, **UNCHUNKED)
     yield llm
     del llm
 
 
 @pytest.fixture(scope="module")
-def dflash_chunked(trained, dflash_unchunked):
+def dflash_chunked(trained_pair, dflash_unchunked):
     # Built last: each in-process engine re-registers vLLM's Prometheus metrics, so this is the
     # engine whose spec-decode counters get_metrics() reads.
-    llm = dflash_llm(trained, trained.block_size - 1, **CHUNKED)
+    llm = dflash_llm(trained_pair, trained_pair.block_size - 1, **CHUNKED)
     yield llm
     del llm
 

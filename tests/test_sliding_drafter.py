@@ -4,7 +4,7 @@ all draft layers in one group and masks the sliding layers by their window."""
 
 import pytest
 
-from tests.engines import Pair, dflash_llm, generate_ids, plain_llm, prompts_of_lengths
+from tests.engines import Pair, dflash_llm, generate_ids, greedy_baseline, prompts_of_lengths
 
 WINDOW = 16  # far shorter than the longer prompts: the window decides what those layers see
 
@@ -22,9 +22,7 @@ def pair(tmp_path_factory) -> Pair:
 
 def test_greedy_output_equals_no_speculation(pair, monkeypatch) -> None:
     prompts = prompts_of_lengths(pair.target, (1, 9, 57, 200))
-    llm = plain_llm(pair.target, max_num_seqs=4)
-    baseline = generate_ids(llm, prompts, max_tokens=40, ignore_eos=True)
-    del llm
+    baseline = greedy_baseline(pair.target, prompts, 40, max_num_seqs=4)
     # Fixed K: a random drafter would have the adaptive policy switch drafting off.
     monkeypatch.setenv("VLLM_DFLASH_DRAFT_LENGTH", "fixed")
     llm = dflash_llm(pair, num_speculative_tokens=7, max_num_seqs=4)

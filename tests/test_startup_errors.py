@@ -5,12 +5,7 @@ import shutil
 
 import pytest
 
-from tests.engines import dflash_llm, make_pair
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return make_pair(tmp_path_factory.mktemp("pair"))
+from tests.engines import dflash_llm
 
 
 def edited_drafter(pair, tmp_path, edit):
@@ -49,9 +44,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_config_mismatch_fails_startup(pair, tmp_path, case):
+def test_config_mismatch_fails_startup(random_pair, tmp_path, case):
     edit, words = CASES[case]
-    bad = edited_drafter(pair, tmp_path, edit)
+    bad = edited_drafter(random_pair, tmp_path, edit)
     with pytest.raises(Exception) as excinfo:
         dflash_llm(bad, 3)
     text = error_text(excinfo)
@@ -59,18 +54,18 @@ def test_config_mismatch_fails_startup(pair, tmp_path, case):
         assert word in text, text
 
 
-def test_feature_width_mismatch_fails_startup(pair, tmp_path):
+def test_feature_width_mismatch_fails_startup(random_pair, tmp_path):
     # A drafter made for a target with hidden size 128 cannot read this target's features.
-    bad = edited_drafter(pair, tmp_path, lambda c: c.update(hidden_size=128))
+    bad = edited_drafter(random_pair, tmp_path, lambda c: c.update(hidden_size=128))
     with pytest.raises(Exception) as excinfo:
         dflash_llm(bad, 3)
     assert "fc.weight input width" in error_text(excinfo)
 
 
 @pytest.mark.parametrize("k", [8, 20])
-def test_too_many_speculative_tokens_fails_startup(pair, k):
+def test_too_many_speculative_tokens_fails_startup(random_pair, k):
     with pytest.raises(Exception) as excinfo:
-        dflash_llm(pair, k)
+        dflash_llm(random_pair, k)
     text = error_text(excinfo)
     assert "num_speculative_tokens" in text and str(k) in text and "7" in text, text
 
@@ -89,16 +84,16 @@ REFUSED_KEYS = {
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED_KEYS))
-def test_refused_speculative_config_keys_fail_startup(pair, case):
+def test_refused_speculative_config_keys_fail_startup(random_pair, case):
     speculative, words = REFUSED_KEYS[case]
     with pytest.raises(Exception) as excinfo:
-        dflash_llm(pair, 3, speculative=speculative)
+        dflash_llm(random_pair, 3, speculative=speculative)
     text = error_text(excinfo)
     for word in words:
         assert word in text, text
 
 
-def test_target_without_intermediate_hidden_states_fails_startup(pair, tmp_path):
+def test_target_without_intermediate_hidden_states_fails_startup(random_pair, tmp_path):
     # GPT-2 has no aux-hidden-state interface in vLLM 0.32; widths match the drafter's target.
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -107,8 +102,9 @@ def test_target_without_intermediate_hidden_states_fails_startup(pair, tmp_path)
                         bos_token_id=0, eos_token_id=0)
     GPT2LMHeadModel(config).save_pretrained(target)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(pair.target / name, target / name)
-    gpt2_pair = type(pair)(target=target, drafter=pair.drafter, block_size=pair.block_size)
+        shutil.copy(random_pair.target / name, target / name)
+    gpt2_pair = type(random_pair)(target=target, drafter=random_pair.drafter,
+                                  block_size=random_pair.block_size)
     with pytest.raises(Exception) as excinfo:
         dflash_llm(gpt2_pair, 3)
     text = error_text(excinfo)

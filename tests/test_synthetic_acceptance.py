@@ -4,21 +4,20 @@ be measured at a chosen acceptance with a drafter of random weights."""
 
 import pytest
 
-from tests.engines import dflash_llm, make_pair, prompts_of_lengths, spec_metrics
+from tests.engines import dflash_llm, prompts_of_lengths, spec_metrics
 
 K = 7
 
 
 @pytest.fixture(scope="module")
-def synthetic_run(tmp_path_factory):
+def synthetic_run(random_pair):
     from vllm import SamplingParams
 
-    pair = make_pair(tmp_path_factory.mktemp("pair"))
     # vLLM turns length 4.0 into unconditional rates [1, 1, 1, 0, 0, 0, 0]: 3 drafts accepted
     # at every verification, which a random drafter never reaches on its own.
-    llm = dflash_llm(pair, K, {"rejection_sample_method": "synthetic",
-                               "synthetic_acceptance_length": 4.0})
-    prompts = prompts_of_lengths(pair.target, (1, 5, 37, 100, 200, 17))
+    llm = dflash_llm(random_pair, K, {"rejection_sample_method": "synthetic",
+                                      "synthetic_acceptance_length": 4.0})
+    prompts = prompts_of_lengths(random_pair.target, (1, 5, 37, 100, 200, 17))
     params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0) if i % 2 else
               SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, seed=i)
               for i in range(len(prompts))]

@@ -14,7 +14,6 @@ from tests.engines import (
     LogLines,
     dflash_llm,
     generate_ids,
-    make_pair,
     plain_llm,
     prompts_of_lengths,
     spec_metrics,
@@ -24,13 +23,8 @@ PROMPT_LENGTHS = (1, 5, 17, 40, 77, 150, 260, 400)
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return make_pair(tmp_path_factory.mktemp("pair"))
-
-
-@pytest.fixture(scope="module")
-def prompts(pair):
-    return prompts_of_lengths(pair.target, PROMPT_LENGTHS)
+def prompts(random_pair):
+    return prompts_of_lengths(random_pair.target, PROMPT_LENGTHS)
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +38,17 @@ def startup_log():
 
 
 @pytest.fixture(scope="module")
-def baseline(pair):
-    llm = plain_llm(pair.target)
+def baseline(random_pair):
+    llm = plain_llm(random_pair.target)
     yield llm
     del llm
 
 
 @pytest.fixture(scope="module")
-def full_block(pair, baseline, startup_log):
+def full_block(random_pair, baseline, startup_log):
     # Built after `baseline`: each in-process engine re-registers vLLM's Prometheus metrics, so
     # the engine built last is the one get_metrics() reads.
-    llm = dflash_llm(pair, pair.block_size - 1)
+    llm = dflash_llm(random_pair, random_pair.block_size - 1)
     yield llm
     del llm
 
@@ -129,8 +123,8 @@ def test_top_k_1_sampling_equals_greedy(full_block, prompts):
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_smaller_k_equals_no_speculation(pair, baseline, prompts, k):
-    llm = dflash_llm(pair, k)
+def test_smaller_k_equals_no_speculation(random_pair, baseline, prompts, k):
+    llm = dflash_llm(random_pair, k)
     try:
         want = generate_ids(baseline, prompts, max_tokens=21)
         assert generate_ids(llm, prompts, max_tokens=21) == want
@@ -139,12 +133,11 @@ def test_smaller_k_equals_no_speculation(pair, baseline, prompts, k):
         del llm
 
 
-def test_preemption_and_chunked_prefill_keep_greedy_output(pair, baseline, prompts):
+def test_preemption_and_chunked_prefill_keep_greedy_output(random_pair, baseline, prompts):
     # Few KV blocks for 8 long requests: the scheduler must preempt and recompute; a 64-token
     # step budget splits every long prompt into chunks, mixed with other requests' drafts.
-    llm = dflash_llm(
-        pair, pair.block_size - 1, num_gpu_blocks_override=10, max_num_batched_tokens=64
-    )
+    llm = dflash_llm(random_pair, random_pair.block_size - 1, num_gpu_blocks_override=10,
+                     max_num_batched_tokens=64)
     try:
         want = generate_ids(baseline, prompts, max_tokens=48)
         assert generate_ids(llm, prompts, max_tokens=48) == want
