@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from vllm_dflash import speculators
 from vllm_dflash.config import DFlashConfig, DFlashConfigError, resolve_dtype
 from vllm_dflash.model import DFlashDrafter
 
@@ -106,12 +107,20 @@ def load_drafter(
     return drafter
 
 
-def save_drafter(drafter: DFlashDrafter, path: str | Path) -> None:
-    """Write config.json + model.safetensors, loadable by load_drafter, vLLM and the reference."""
+def save_drafter(drafter: DFlashDrafter, path: str | Path, schema: str = "z-lab",
+                 verifier: str | Path | None = None) -> None:
+    """Write config.json + model.safetensors, loadable by load_drafter and vLLM, and in schema
+    "z-lab" by the reference package, in schema "speculators" by speculators (verifier: the
+    target's hub id or directory, which its config names)."""
+    if schema not in ("z-lab", "speculators"):
+        raise DFlashConfigError(f"schema {schema!r}; fix: pass 'z-lab' or 'speculators'")
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     state = {key: value.detach().cpu().contiguous() for key, value in drafter.state_dict().items()}
-    config = drafter.cfg.to_dict()
+    if schema == "speculators":
+        config = speculators.from_dflash_config(drafter.cfg, verifier)
+    else:
+        config = drafter.cfg.to_dict()
+    path.mkdir(parents=True, exist_ok=True)
     config["dtype"] = str(drafter.fc.weight.dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})

@@ -1,4 +1,5 @@
-"""DFlash drafter config: parse and write z-lab `config.json`, check a drafter against its target."""
+"""DFlash drafter config: parse and write z-lab `config.json` (and read speculators-format ones,
+through speculators.py), check a drafter against its target."""
 
 import json
 from dataclasses import dataclass, fields
@@ -280,6 +281,11 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
+        """A z-lab or speculators-format config.json's config."""
+        from vllm_dflash import speculators  # speculators.py imports this module
+
+        if speculators.is_speculators_config(d):
+            d = speculators.to_zlab(d)
         architectures = set(d.get("architectures") or ())
         dc = d.get("dflash_config")
         if not isinstance(dc, dict):
