@@ -16,8 +16,7 @@ from tests.engines import (
     Pair,
     dflash_llm,
     generate_ids,
-    heldout_ids,
-    plain_llm,
+    greedy_baseline,
     run_python,
     spec_metrics,
 )
@@ -200,16 +199,8 @@ def test_is_dflash_config():
 
 
 @pytest.fixture(scope="module")
-def prompts() -> list[dict]:
-    return [{"prompt_token_ids": ids} for ids in heldout_ids()]
-
-
-@pytest.fixture(scope="module")
 def baseline(prompts) -> list[list[int]]:
-    llm = plain_llm(TRAINED.target)
-    result = generate_ids(llm, prompts, max_tokens=MAX_TOKENS, ignore_eos=True)
-    del llm
-    return result
+    return greedy_baseline(TRAINED.target, prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
