@@ -167,8 +167,10 @@ def unknown_release():
     return run_case(version=UNKNOWN_VERSION, engines=["plain", "dflash"])
 
 
-def test_unknown_release_runs_plain_and_dflash_engines(unknown_release):
+def test_unknown_release_runs_plain_and_dflash_engines(unknown_release, on_mrv2_cpu):
     assert unknown_release["plain"]["runner"] == "vllm.v1.worker.cpu_model_runner.CPUModelRunner"
+    # The V1 runner's tokens are vLLM alone's (on Model Runner V2, fp32).
+    assert unknown_release["plain"]["ids"] == on_mrv2_cpu["without"]["plain"]["ids"]
     # Lossless on the trained pair: the DFlash engine's greedy tokens are the plain engine's.
     assert unknown_release["dflash"]["ids"] == unknown_release["plain"]["ids"]
     lines = unknown_release["engine_lines"]

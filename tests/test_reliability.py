@@ -211,7 +211,7 @@ BAD_CONFIG_WORDS = {
     "dflash without model": ['method "dflash"', 'no "model"', "drafter checkpoint"],
     "pipeline parallel": ["pipeline parallelism", "pipeline_parallel_size=2",
                           "--tensor-parallel-size"],
-    "dflash drafter as draft_model": ["is a DFlash drafter (DFlashDraftModel)",
+    "dflash drafter as draft_model": ["is a DFlash drafter, but",
                                       'method "draft_model"', 'set "method": "dflash"'],
     "hybrid target on CPU": ["Qwen3NextForCausalLM", "recurrent", "CPU build",
                              "without --speculative-config"],

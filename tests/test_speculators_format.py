@@ -83,7 +83,7 @@ def speculators_checkpoint() -> dict:
 def test_config_round_trip(name, make_config):
     cfg = make_config(**CONFIGS[name])
     written = json.loads(json.dumps(from_dflash_config(cfg)))
-    assert DFlashConfig.from_dict(written) == cfg
+    assert DFlashConfig.from_dict(to_zlab(written)) == cfg
     assert is_dflash_config(written)
 
 
@@ -114,7 +114,7 @@ def test_vllm_reads_the_written_config_as_this_package(name, make_config):
 
 def test_reads_a_config_as_speculators_writes_it():
     d = speculators_checkpoint()
-    cfg = DFlashConfig.from_dict(d)
+    cfg = DFlashConfig.from_dict(to_zlab(d))
     assert cfg.target_layer_ids == [1, 17, 32]  # aux_hidden_state_layer_ids - 1, as vLLM
     assert (cfg.mask_token_id, cfg.block_size, cfg.num_layers, cfg.num_kv_heads) == (
         151669, 8, 3, 8)
@@ -122,9 +122,9 @@ def test_reads_a_config_as_speculators_writes_it():
     assert cfg.num_target_layers == 34  # the least depth the ids fit (none recorded)
     assert [cfg.layer_is_causal(i) for i in range(3)] == [False] * 3
     del d["block_size"]
-    assert DFlashConfig.from_dict(d).block_size == 8  # speculative_tokens + 1
+    assert DFlashConfig.from_dict(to_zlab(d)).block_size == 8  # speculative_tokens + 1
     d |= DFLASH2 | {"speculators_model_type": "dflash2"}
-    assert DFlashConfig.from_dict(d).architecture == "DFlash2DraftModel"
+    assert DFlashConfig.from_dict(to_zlab(d)).architecture == "DFlash2DraftModel"
 
 
 @pytest.mark.parametrize("name", list(PAIRS))
@@ -160,7 +160,7 @@ ERRORS = {
 def test_errors_name_the_field_and_the_fix(name):
     change, message = ERRORS[name]
     with pytest.raises(DFlashConfigError, match="fix: ") as error:
-        DFlashConfig.from_dict(speculators_checkpoint() | change)
+        DFlashConfig.from_dict(to_zlab(speculators_checkpoint() | change))
     assert message in str(error.value)
 
 

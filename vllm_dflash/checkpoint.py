@@ -82,9 +82,23 @@ def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
     return Path(snapshot)
 
 
+def read_config(path: str | Path) -> DFlashConfig:
+    """The config.json of a drafter directory, in the z-lab or the speculators schema."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise DFlashConfigError(
+            f"no config.json in {str(path)!r}; fix: pass a DFlash checkpoint directory "
+            "(config.json + *.safetensors)"
+        )
+    d = json.loads(config_file.read_text())
+    if speculators.is_speculators_config(d):
+        d = speculators.to_zlab(d)
+    return DFlashConfig.from_dict(d)
+
+
 def load_config(model: str | Path, revision: str | None = None) -> DFlashConfig:
     """The DFlashConfig of a drafter directory or hub id (drafter_dir)."""
-    return DFlashConfig.from_dir(drafter_dir(model, revision))
+    return read_config(drafter_dir(model, revision))
 
 
 def load_drafter(
@@ -95,7 +109,7 @@ def load_drafter(
     """Build a drafter from a checkpoint dir or hub id (drafter_dir); dtype None keeps the
     checkpoint's (fp32/fp16/bf16)."""
     path = drafter_dir(path)
-    cfg = DFlashConfig.from_dir(path)
+    cfg = read_config(path)
     state = _read_weights(path, cfg)
     # Meta device: no time spent on a random init that the checkpoint overwrites.
     with torch.device("meta"):

@@ -1,9 +1,6 @@
-"""DFlash drafter config: parse and write z-lab `config.json` (and read speculators-format ones,
-through speculators.py), check a drafter against its target."""
+"""DFlash drafter config: parse and write z-lab `config.json`, check a drafter against its target."""
 
-import json
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -281,11 +278,8 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
-        """A z-lab or speculators-format config.json's config."""
-        from vllm_dflash import speculators  # speculators.py imports this module
-
-        if speculators.is_speculators_config(d):
-            d = speculators.to_zlab(d)
+        """A z-lab config.json's config (checkpoint.read_config also reads the speculators
+        schema)."""
         architectures = set(d.get("architectures") or ())
         dc = d.get("dflash_config")
         if not isinstance(dc, dict):
@@ -340,17 +334,6 @@ class DFlashConfig:
             # vLLM reads it for LiLiCorr drafters only.
             has_own_lm_head=lilicorr is not None and bool(d.get("has_own_lm_head", False)),
         )
-
-    @classmethod
-    def from_dir(cls, path: str | Path) -> "DFlashConfig":
-        """Read config.json of a drafter directory (checkpoint.load_config also takes hub ids)."""
-        config_file = Path(path) / "config.json"
-        if not config_file.is_file():
-            raise DFlashConfigError(
-                f"no config.json in {str(path)!r}; fix: pass a DFlash checkpoint directory "
-                "(config.json + *.safetensors)"
-            )
-        return cls.from_dict(json.loads(config_file.read_text()))
 
     def to_dict(self) -> dict[str, Any]:
         """z-lab config.json, loadable by vLLM's in-tree DFlash and the reference package."""

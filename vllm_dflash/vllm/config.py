@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vllm_dflash import checkpoint
+from vllm_dflash import checkpoint, speculators
 from vllm_dflash.config import DFlashConfig, DFlashConfigError, validate_against_target
 from vllm_dflash.vllm import contract
 
@@ -156,7 +156,7 @@ def _select_dflash_method(args) -> None:
         # this drafter as a plain draft model, whose drafts are never accepted.
         if method == "draft_model":
             raise DFlashSetupError(
-                f'{model!r} is a DFlash drafter (DFlashDraftModel), but the speculative '
+                f'{model!r} is a DFlash drafter, but the speculative '
                 'config has method "draft_model"; set "method": "dflash".'
             )
         logger.info("vllm-dflash: %s is a DFlash drafter; method \"dflash\"", model)
@@ -211,7 +211,7 @@ def validate_speculative_config(spec: Any, target: Any) -> DFlashConfig:
     Runs in the worker before the drafter loads, and earlier in the front-end process at
     config time, where an error reaches the caller before any engine starts.
     """
-    cfg = DFlashConfig.from_dir(drafter_path(spec.draft_model_config))
+    cfg = checkpoint.read_config(drafter_path(spec.draft_model_config))
     validate_against_target(
         cfg,
         target_hidden_size=target.get_hidden_size(),
@@ -252,7 +252,8 @@ def drafter_path(draft_model_config: Any) -> Path:
 
 
 def is_dflash_checkpoint(model: str | None) -> bool:
-    """Whether the config.json of `model`, a directory or a hub id, names DFlashDraftModel."""
+    """Whether the config.json of `model`, a directory or a hub id, is a DFlash drafter's
+    (z-lab or speculators schema)."""
     config = Path(model or "") / "config.json"
     if not config.is_file():
         # Only "org/name": vLLM's method names ("ngram") and proposer paths are no drafters.
@@ -266,4 +267,4 @@ def is_dflash_checkpoint(model: str | None) -> bool:
                                           local_files_only=constants.HF_HUB_OFFLINE))
         except OSError:  # not found or not reachable: vLLM's own loading reports it
             return False
-    return "DFlashDraftModel" in (json.loads(config.read_text()).get("architectures") or ())
+    return speculators.is_dflash_config(json.loads(config.read_text()))
