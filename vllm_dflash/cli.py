@@ -1,11 +1,12 @@
-"""`vllm-dflash` command line: one subcommand per module (`train`, ...)."""
+"""`vllm-dflash` command line: one subcommand per module (`train`, `bench`, `pair`)."""
 
 import argparse
 
 from vllm_dflash.bench import command as bench_command
+from vllm_dflash.pairs import command as pair_command
 from vllm_dflash.train import command as train_command
 
-SUBCOMMANDS = (train_command, bench_command)
+SUBCOMMANDS = (train_command, bench_command, pair_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

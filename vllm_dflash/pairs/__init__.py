@@ -1,0 +1,1 @@
+"""Ready-made target/drafter pairs built from local files (no model hub)."""
