@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vllm_dflash.vllm.contract import HOOKS, broken_hooks_in_sources
+from vllm_dflash.vllm.contract import HOOKS, MRV2_HOOKS, broken_hooks_in_sources
 
 
 def download_wheel(release: str, into: Path) -> Path:
@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         problems = broken_hooks_in_sources(root)
     for problem in problems:
         print(f"MISSING {problem}")
-    print(f"{name}: {len(HOOKS) - len(problems)} of {len(HOOKS)} hooks present")
+    total = len(HOOKS) + len(MRV2_HOOKS)
+    print(f"{name}: {total - len(problems)} of {total} hooks present")
     return 1 if problems else 0
 
 

@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from scripts.check_vllm_hooks import main as check_main
-from vllm_dflash.vllm.contract import HOOKS, Hook, broken_hooks, broken_hooks_in_sources
+from vllm_dflash.vllm.contract import (
+    HOOKS,
+    MRV2_HOOKS,
+    Hook,
+    broken_hooks,
+    broken_hooks_in_sources,
+)
 
 
 def vllm_root() -> Path:
@@ -20,7 +26,7 @@ def vllm_root() -> Path:
 def sources(tmp_path_factory) -> Path:
     """A copy of the installed vLLM's files that the hooks live in."""
     root = tmp_path_factory.mktemp("sources")
-    for module in {hook.module for hook in HOOKS}:
+    for module in {hook.module for hook in HOOKS + MRV2_HOOKS}:
         base = Path(*module.split("."))
         for relative in (base.with_suffix(".py"), base / "__init__.py"):
             if (vllm_root() / relative).is_file():
@@ -30,7 +36,13 @@ def sources(tmp_path_factory) -> Path:
 
 
 def test_installed_vllm_has_every_hook():
+    from vllm_dflash.vllm import register
+
+    # Also with vllm-dflash's patches in place (a second register() changes nothing): each
+    # wrapper keeps the signature of what it wraps.
+    register()
     assert broken_hooks() == []
+    assert broken_hooks(MRV2_HOOKS) == []
 
 
 def test_source_check_agrees_with_the_installed_vllm(sources):

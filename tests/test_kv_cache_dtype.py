@@ -17,7 +17,7 @@ def cache_dtypes(worker) -> tuple[set, set]:
     """In the worker: the dtypes of the target's KV caches (fp8 is stored as uint8 bytes) and
     of the drafter's."""
     runner = worker.model_runner
-    draft = [layer.kv_cache for layer in runner.drafter.kv_layers]
+    draft = [layer.kv_cache for layer in runner.drafter.draft_runner.kv_layers]
     target = [c for c in runner.kv_caches if not any(c.data_ptr() == d.data_ptr() for d in draft)]
     return {c.dtype for c in target}, {c.dtype for c in draft}
 

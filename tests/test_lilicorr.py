@@ -161,7 +161,7 @@ def pair(tmp_path_factory) -> Pair:
 
 
 def _logits_source(worker) -> str:
-    drafter = worker.model_runner.drafter
+    drafter = worker.model_runner.drafter.draft_runner
     return "own" if drafter.logits is drafter.drafter.lm_head else "target"
 
 

@@ -32,11 +32,11 @@ class KernelRoutes:
     def __init__(self) -> None:
         from vllm_dflash import model
         from vllm_dflash.kernels import draft_attention, kv_injection, norm_rope, verify
-        from vllm_dflash.vllm import spec_decode as proposer
+        from vllm_dflash.vllm import drafting
 
         self.calls: Counter = Counter()
-        self.proposer, self.model, self.verify = proposer, model, verify
-        self.cpu = (proposer.draft_attention, proposer.kv_injection, verify._walk_for)
+        self.drafting, self.model, self.verify = drafting, model, verify
+        self.cpu = (drafting.draft_attention, drafting.kv_injection, verify._walk_for)
         walk = self._counted("verify", verify.rejection_walk_triton)
         self.triton = (self._counted("draft_attention", draft_attention.draft_attention_triton),
                        self._counted("kv_injection", kv_injection.kv_injection_triton),
@@ -57,7 +57,7 @@ class KernelRoutes:
         attend, inject, walk_for = self.cpu if route == "cpu" else self.triton
         if route == "reference":
             walk_for = lambda device: self.verify.rejection_walk_reference
-        self.proposer.draft_attention, self.proposer.kv_injection = attend, inject
+        self.drafting.draft_attention, self.drafting.kv_injection = attend, inject
         self.model.rms_norm, self.model.rotate = (self.triton_norm_rope if norm_rope
                                                   else self.cpu_norm_rope)
         self.verify._walk_for = walk_for
@@ -66,7 +66,7 @@ class KernelRoutes:
 def _eager_draft_graphs(worker) -> list[int]:
     """In the engine's worker: DraftGraphs for the drafter, run eagerly, each step's greedy
     tokens compared with the plain drafter pass's; returns the graphs' batch sizes."""
-    drafter = worker.model_runner.drafter
+    drafter = worker.model_runner.drafter.draft_runner
     drafter.capture_draft_graphs(use_cuda_graph=False)
     graphs = drafter.draft_graphs
     run = graphs.run
@@ -86,7 +86,7 @@ def _eager_draft_graphs(worker) -> list[int]:
 
 
 def _draft_graph_stats(worker) -> Counter:
-    return worker.model_runner.drafter.draft_graphs.stats
+    return worker.model_runner.drafter.draft_runner.draft_graphs.stats
 
 
 def run_checks(result_path: str) -> None:

@@ -2,8 +2,11 @@
 
     config.py          engine configuration: which engines are vllm-dflash's, start-up checks,
                        the runner a DFlash engine gets
-    runner.py          the V1 model runner: builds the proposer, drafting and plain steps
-    spec_decode.py     the proposer and its draft KV layers (V1 spec_decode)
+    runner.py          the model runners: V1 builds the proposer, Model Runner V2 the speculator
+    spec_decode.py     the V1 proposer (V1 spec_decode)
+    speculator.py      the Model Runner V2 speculator (gpu/spec_decode)
+    drafting.py        the drafter's step, shared by both
+    attention.py       the draft layers' KV cache, declared to vLLM
     sampler.py         the rejection sampler: verification by vllm-dflash's kernel
     scheduler.py       the engine core and scheduler: the draft-length policy
     model_executor.py  the target's embedding and lm_head, vLLM's CPU GEMM
@@ -46,6 +49,7 @@ def register() -> None:
 
     config.patch_config()
     runner.patch_runner()
+    runner.patch_model_runner_v2()
     sampler.patch_rejection_sampler()
     scheduler.patch_engine_core()
     scheduler.patch_scheduler()

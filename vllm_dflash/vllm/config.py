@@ -24,9 +24,10 @@ IMPLEMENTATIONS = ("vllm-dflash", "vllm")
 DRAFT_LENGTH_ENV = "VLLM_DFLASH_DRAFT_LENGTH"
 # "adaptive": draft_policy.py picks 0..K draft tokens per request every step; "fixed": always K.
 DRAFT_LENGTHS = ("adaptive", "fixed")
-# Why a vllm-dflash engine runs on the V1 runner, as vLLM's own start-up line prints it.
-V2_UNSUPPORTED = (f"vllm-dflash's DFlash (it runs on the V1 runner; {IMPL_ENV}=vllm selects "
-                  "vLLM's in-tree DFlash)")
+# Why a vllm-dflash engine runs on the V1 runner unless Model Runner V2 is asked for, as
+# vLLM's own start-up line prints it.
+V2_UNSUPPORTED = ("vllm-dflash's DFlash by default (its Model Runner V2 speculator drafts greedy "
+                  "only; VLLM_USE_V2_MODEL_RUNNER=1 runs it)")
 
 
 class DFlashSetupError(RuntimeError):
@@ -113,15 +114,16 @@ def patch_config() -> None:
 
     SamplingParams._validate_spec_decode = validate_spec_decode
 
-    # The runner: vLLM picks Model Runner V2 unless it lists a feature V2 does not support;
-    # vllm-dflash's proposer runs on the V1 runners, so a vllm-dflash engine lists itself
-    # (vLLM then logs "Model Runner V2 does not yet support ...; using the V1 model runner",
-    # and refuses VLLM_USE_V2_MODEL_RUNNER=1 naming it). Checked on 0.32.0 and 0.33.0.
+    # The runner: vLLM picks Model Runner V2 unless it lists a feature V2 does not support.
+    # vllm-dflash's V1 proposer has every feature, its MRV2 speculator greedy drafts only, so a
+    # vllm-dflash engine lists itself unless VLLM_USE_V2_MODEL_RUNNER=1 asks for MRV2 (vLLM
+    # then logs "Model Runner V2 does not yet support ...; using the V1 model runner").
+    # Checked on 0.32.0 and 0.33.0.
     v2_unsupported = VllmConfig._get_v2_model_runner_unsupported_features
 
     def get_v2_model_runner_unsupported_features(self) -> list[str]:
         unsupported = v2_unsupported(self)
-        if runs_vllm_dflash(self.speculative_config):
+        if runs_vllm_dflash(self.speculative_config) and not _asks_for_model_runner_v2():
             unsupported.append(V2_UNSUPPORTED)
         return unsupported
 
@@ -135,6 +137,12 @@ def patch_config() -> None:
     # needs Model Runner V2: vLLM's V2 check then refuses the engine, naming vllm-dflash).
     for name in ("_is_dflash_candidate_draft", "_dflash_needs_multi_kv_group"):
         setattr(VllmConfig, name, _false_for_vllm_dflash(getattr(VllmConfig, name)))
+
+
+def _asks_for_model_runner_v2() -> bool:
+    from vllm import envs
+
+    return envs.VLLM_USE_V2_MODEL_RUNNER is True
 
 
 def _false_for_vllm_dflash(check):

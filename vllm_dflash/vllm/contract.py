@@ -36,7 +36,9 @@ HOOKS = (
     Hook("vllm.config.vllm", "VllmConfig._get_v2_model_runner_unsupported_features"),
     Hook("vllm.config.vllm", "VllmConfig._is_dflash_candidate_draft"),
     Hook("vllm.config.vllm", "VllmConfig._dflash_needs_multi_kv_group"),
-    # runner.py: the V1 runner builds the proposer and runs drafts.
+    # runner.py: the V1 runner builds the proposer and runs drafts; MRV2 its speculator.
+    Hook("vllm.v1.worker.gpu.spec_decode", "init_speculator",
+         ("vllm_config", "device", "req_states")),
     Hook("vllm.v1.worker.gpu_model_runner", "DFlashProposer"),
     Hook("vllm.v1.worker.gpu_model_runner", "build_logitsprocs",
          ("vllm_config", "device", "is_pin_memory", "is_pooling_model", "custom_logitsprocs")),
@@ -91,6 +93,26 @@ HOOKS = (
 )
 
 
+# speculator.py, checked when Model Runner V2 builds vllm-dflash's speculator: MRV2's modules
+# load only in its worker, after the CPU build's patches to torch.
+MRV2_HOOKS = (
+    Hook("vllm.v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.__init__",
+         ("vllm_config", "device")),
+    Hook("vllm.v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.load_model",
+         ("target_model",)),
+    Hook("vllm.v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.load_draft_model",
+         ("target_model", "target_attn_layer_names")),
+    Hook("vllm.v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.set_attn",
+         ("model_state", "kv_cache_config", "block_tables", "target_input_buffers",
+          "target_attn_groups")),
+    Hook("vllm.v1.worker.gpu.spec_decode.speculator", "BaseSpeculator.propose",
+         ("input_batch", "attn_metadata", "slot_mappings", "last_hidden_states",
+          "aux_hidden_states", "num_sampled", "num_rejected", "last_sampled",
+          "next_prefill_tokens", "temperature", "seeds", "dummy_run", "num_speculative_tokens")),
+    Hook("vllm.v1.worker.gpu.model_runner", "GPUModelRunner._dummy_run", ("num_tokens",)),
+)
+
+
 def broken_hooks(hooks: tuple[Hook, ...] = HOOKS) -> list[str]:
     """What is missing or changed in the running vLLM, one line per hook; empty if none."""
     problems = []
@@ -107,7 +129,8 @@ def broken_hooks(hooks: tuple[Hook, ...] = HOOKS) -> list[str]:
     return problems
 
 
-def broken_hooks_in_sources(root: Path, hooks: tuple[Hook, ...] = HOOKS) -> list[str]:
+def broken_hooks_in_sources(root: Path, hooks: tuple[Hook, ...] = HOOKS + MRV2_HOOKS
+                            ) -> list[str]:
     """The same check on a vLLM source tree (the directory holding `vllm/`), by reading each
     module's file: top-level names defined, imported or assigned there, and the methods a
     class body defines."""

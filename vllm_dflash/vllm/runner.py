@@ -1,10 +1,43 @@
-"""vLLM's V1 model runner (GPUModelRunner, and CPUModelRunner, its subclass): it builds
-vllm-dflash's proposer for a vllm-dflash engine. Every patch here runs vLLM's own code unless
-the runner's drafter is vllm-dflash's. Checked on vLLM 0.32.0 and 0.33.0.
+"""vLLM's model runners: the V1 runner (GPUModelRunner, and CPUModelRunner, its subclass)
+builds vllm-dflash's proposer, Model Runner V2 its speculator, for a vllm-dflash engine. Every
+patch here runs vLLM's own code unless the engine runs vllm-dflash. Checked on vLLM 0.32.0 and
+0.33.0.
 """
 
-from vllm_dflash.vllm.config import runs_vllm_dflash
+import functools
+import sys
+
+from vllm_dflash.vllm import contract
+from vllm_dflash.vllm.config import DFlashSetupError, runs_vllm_dflash
 from vllm_dflash.vllm.spec_decode import DFlashProposer
+
+
+def patch_model_runner_v2() -> None:
+    # MRV2's model runner imports `init_speculator` by name from its spec_decode package:
+    # rebinding it there before that import (and in the runner's module if it is already
+    # imported) builds vllm-dflash's speculator for vllm-dflash engines, vLLM's for the rest.
+    from vllm.v1.worker.gpu import spec_decode
+
+    vllm_init_speculator = spec_decode.init_speculator
+
+    def init_speculator(vllm_config, device, req_states):
+        if not runs_vllm_dflash(vllm_config.speculative_config):
+            return vllm_init_speculator(vllm_config, device, req_states)
+        problems = contract.broken_hooks(contract.MRV2_HOOKS)
+        if problems:
+            raise DFlashSetupError(
+                "vllm-dflash cannot run on this vLLM's Model Runner V2: these hooks it relies on "
+                f"are missing or changed: {'; '.join(problems)}. Set VLLM_USE_V2_MODEL_RUNNER=0 "
+                "for the V1 runner, or VLLM_DFLASH_IMPL=vllm for vLLM's in-tree DFlash."
+            )
+        from vllm_dflash.vllm.speculator import DFlashSpeculator  # MRV2 loads after CPU patches
+
+        return DFlashSpeculator(vllm_config, device)
+
+    spec_decode.init_speculator = init_speculator
+    runner_module = sys.modules.get("vllm.v1.worker.gpu.model_runner")
+    if runner_module is not None:
+        runner_module.init_speculator = init_speculator
 
 
 def patch_runner() -> None:
@@ -104,6 +137,7 @@ def _patch_cpu_seeded_chunked_prefill(runner) -> None:
             generators[i].set_state(state)
         return output
 
+    @functools.wraps(bookkeeping)
     def bookkeeping_without_rewind(self, *args, **kwargs):
         if not _uses_vllm_dflash(self):
             return bookkeeping(self, *args, **kwargs)

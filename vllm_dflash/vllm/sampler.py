@@ -9,6 +9,7 @@ Checked on vLLM 0.32.0 and 0.33.0.
 """
 
 import contextvars
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,20 +37,22 @@ def patch_rejection_sampler() -> None:
     from vllm.platforms import current_platform
     from vllm.v1.sample import rejection_sampler
 
-    sampler = rejection_sampler.RejectionSampler
-    init, forward = sampler.__init__, sampler.forward
-    process = sampler.apply_logits_processors
+    rejection_sampler_cls = rejection_sampler.RejectionSampler
+    init, forward = rejection_sampler_cls.__init__, rejection_sampler_cls.forward
+    process = rejection_sampler_cls.apply_logits_processors
     vllm_rejection_sample = rejection_sampler.rejection_sample
     vllm_constrain = rejection_sampler.apply_sampling_constraints
     vllm_expand = rejection_sampler.expand_batch_to_tokens
 
-    def __init__(self, sampler_, spec_config=None, device=None):
-        init(self, sampler_, spec_config, device)
+    @functools.wraps(init)
+    def __init__(self, sampler, spec_config=None, device=None):
+        init(self, sampler, spec_config, device)
         # vLLM 0.32 has block verification only in Model Runner V2; its V1 runners ignore it.
         self.vllm_dflash = (
             Verification(block=spec_config.rejection_sample_method == "block")
             if runs_vllm_dflash(spec_config) else None)
 
+    @functools.wraps(forward)
     def forward_with_verification(self, *args, **kwargs):
         token = _running.set(getattr(self, "vllm_dflash", None))
         try:
@@ -66,6 +69,7 @@ def patch_rejection_sampler() -> None:
                 sampling_rows.add_logit_bias(logits, bias.biases, metadata.num_draft_tokens)
         return process(self, logits, sampling_metadata, metadata)
 
+    @functools.wraps(vllm_rejection_sample)
     def rejection_sample(*args: Any, **kwargs: Any):
         verification = _running.get()
         if verification is None:
@@ -90,6 +94,7 @@ def patch_rejection_sampler() -> None:
                                            sampling_metadata.temperature, min_p.min_p.view(-1))
         return vllm_constrain(logits, cu_num_draft_tokens, sampling_metadata)
 
+    @functools.wraps(vllm_expand)
     def expand_batch_to_tokens(*args: Any, **kwargs: Any):
         # vLLM 0.32's CPU expand kernel writes into an int64 copy of a float32/int32 output
         # (`_ensure_int64(output)`), so per-request temperature, top_k and top_p reach the
@@ -97,8 +102,9 @@ def patch_rejection_sampler() -> None:
         expand = vllm_expand if _running.get() is None else sampling_rows.expand_batch_to_tokens
         return expand(*args, **kwargs)
 
-    sampler.__init__, sampler.forward = __init__, forward_with_verification
-    sampler.apply_logits_processors = apply_logits_processors
+    rejection_sampler_cls.__init__ = __init__
+    rejection_sampler_cls.forward = forward_with_verification
+    rejection_sampler_cls.apply_logits_processors = apply_logits_processors
     rejection_sampler.rejection_sample = rejection_sample
     rejection_sampler.apply_sampling_constraints = apply_sampling_constraints
     if current_platform.is_cpu():

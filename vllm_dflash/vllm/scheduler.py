@@ -5,6 +5,7 @@ and step times are on the host (draft_length.py says what it does each step). Sc
 other engines have no controller and run vLLM's code alone. Checked on vLLM 0.32.0 and 0.33.0.
 """
 
+import functools
 import logging
 import weakref
 
@@ -63,7 +64,9 @@ def patch_engine_core() -> None:
 
 def _profile_step_costs(worker):  # runs in every worker, through collective_rpc
     runner = worker.model_runner
-    return runner.drafter.profile_step_costs(runner)
+    # The V1 runner's proposer, or Model Runner V2's speculator.
+    drafter = runner.speculator if hasattr(runner, "speculator") else runner.drafter
+    return drafter.profile_step_costs(runner)
 
 
 def _ms(seconds: list[float]) -> list[float]:
@@ -76,6 +79,7 @@ def patch_scheduler() -> None:
     schedule, update_from_output = Scheduler.schedule, Scheduler.update_from_output
     add_request, free_request = Scheduler.add_request, Scheduler._free_request
 
+    @functools.wraps(schedule)
     def schedule_with_policy(self, *args, **kwargs):
         controller = _controllers.get(self)
         if controller is not None:
@@ -102,6 +106,7 @@ def patch_scheduler() -> None:
         if controller is not None:
             controller.added(request)
 
+    @functools.wraps(free_request)
     def free_request_noting_seeded(self, request, *args, **kwargs):
         controller = _controllers.get(self)
         if controller is not None:

@@ -1,0 +1,215 @@
+"""vllm-dflash on Model Runner V2 (MRV2), run on this CPU with vLLM's Triton kernels
+interpreted: greedy output equals no speculation on MRV2 (alone, batched, prompts of 1 to 400
+tokens, chunked prefill with prefix-cache hits, preemption), seeded sampling is reproducible,
+acceptance equals the V1 runner's and vLLM's in-tree MRV2 DFlash's on the same drafter, DFlash2
+and LiLiCorr drafters, adaptive draft lengths. Behaviour only: interpreted kernels say nothing
+of speed.
+
+MRV2 needs Triton, so each engine group runs in a fresh interpreter that registers a stand-in
+"cpu" Triton backend before vLLM is imported (MRV2_PRELUDE).
+"""
+
+import json
+
+import pytest
+
+from tests.engines import (
+    TRAINED,
+    TRAINED_DFLASH2,
+    TRAINED_LILICORR,
+    dflash_llm,
+    generate_ids,
+    heldout_prompts,
+    prompts_of_lengths,
+    run_python,
+    spec_metrics,
+)
+
+K = 7
+MAX_TOKENS = 24
+LONG_TOKENS = 96
+
+MRV2_PRELUDE = """
+import os, types
+os.environ["TRITON_INTERPRET"] = "1"
+from triton.backends import backends
+
+
+class _Driver:
+    def is_active(self):
+        return True
+
+
+backends.setdefault("cpu", types.SimpleNamespace(driver=_Driver(), compiler=None))
+"""
+
+RUNS = MRV2_PRELUDE + """
+import json, logging, sys
+from tests.engines import (dflash_llm, generate_ids, plain_llm, seeded_and_greedy_twice,
+                           spec_metrics, Pair)
+import vllm.logger  # its logging set-up resets the handlers of vLLM's child loggers
+
+lines = []
+make_record = logging.getLogRecordFactory()
+
+
+def recording_factory(*args, **kwargs):
+    record = make_record(*args, **kwargs)
+    lines.append(record.getMessage())
+    return record
+
+
+logging.setLogRecordFactory(recording_factory)
+case = json.loads(sys.argv[1])
+
+
+def runner(worker):
+    cls = type(worker.model_runner)
+    return f"{cls.__module__}.{cls.__name__}"
+
+
+results = {}
+for run in case["runs"]:
+    os.environ.update(run.get("env", {}))
+    lines.clear()
+    engine = {"max_num_seqs": 4, **run.get("engine", {})}
+    if run["drafter"] is None:
+        llm = plain_llm(case["target"], **engine)
+    else:
+        pair = Pair(target=case["target"], drafter=run["drafter"], block_size=case["k"] + 1)
+        llm = dflash_llm(pair, run.get("k", case["k"]), **engine)
+    out = {"runner": llm.collective_rpc(runner)[0]}
+    prompts = case["prompts"]
+    if not run.get("long_only"):
+        out["batch"] = generate_ids(llm, prompts, max_tokens=case["max_tokens"],
+                                    ignore_eos=True)
+        out["spec"] = spec_metrics(llm)  # of the batch alone: the workload compared
+    if run.get("alone"):
+        out["alone"] = [generate_ids(llm, [p], max_tokens=case["max_tokens"], ignore_eos=True)[0]
+                        for p in prompts[:run["alone"]]]
+    if run.get("seeded"):
+        out["seeded"] = seeded_and_greedy_twice(llm, prompts, case["max_tokens"])
+    if run.get("long"):  # requests that outgrow a small KV cache
+        out["long"] = generate_ids(llm, prompts, max_tokens=case["long_tokens"], ignore_eos=True)
+    if run.get("twice"):  # the same prompts again: prefix-cache hits
+        out["again"] = generate_ids(llm, prompts, max_tokens=case["max_tokens"], ignore_eos=True)
+    metrics = {m.name: m for m in llm.get_metrics()}
+    out["preemptions"] = metrics["vllm:num_preemptions"].value
+    out["prefix_cache_hits"] = metrics["vllm:prefix_cache_hits"].value
+    out["lines"] = [line for line in lines if "vllm-dflash" in line]
+    results[run["name"]] = out
+    del llm
+print("RESULT " + json.dumps(results), flush=True)
+"""
+
+
+def mrv2_runs(runs: list[dict], prompts: list[dict], env: dict | None = None) -> dict:
+    """The runs' results from one fresh interpreter with Model Runner V2 on this CPU."""
+    case = {"target": str(TRAINED.target), "k": K, "max_tokens": MAX_TOKENS,
+            "long_tokens": LONG_TOKENS,
+            "prompts": prompts, "runs": runs}
+    return run_python(RUNS, json.dumps(case), VLLM_DFLASH_DRAFT_LENGTH="fixed",
+                      **(env or {}))[0]
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[dict]:
+    # Held-out source (drafts mostly accepted) and random tokens of 1 to 400 (mostly rejected).
+    return heldout_prompts(3) + prompts_of_lengths(TRAINED.target, (1, 37, 400))
+
+
+@pytest.fixture(scope="module")
+def ours(prompts) -> dict:
+    # 17 blocks of 32 tokens (one request of max_model_len): four running requests outgrow
+    # them as each reaches 100 to 500 tokens.
+    small_cache = {"block_size": 32, "num_gpu_blocks_override": 17,
+                   "max_num_batched_tokens": 64}
+    runs = [
+        {"name": "plain", "drafter": None, "alone": 2, "long": True},
+        {"name": "plain_seeded", "drafter": None, "seeded": True},
+        {"name": "dflash", "drafter": str(TRAINED.drafter), "alone": 2, "seeded": True},
+        {"name": "chunked", "drafter": str(TRAINED.drafter), "twice": True,
+         "engine": {"max_num_batched_tokens": 64, "enable_prefix_caching": True}},
+        {"name": "preempted", "drafter": str(TRAINED.drafter), "engine": small_cache,
+         "long": True, "long_only": True},
+        {"name": "adaptive", "drafter": str(TRAINED.drafter),
+         "env": {"VLLM_DFLASH_DRAFT_LENGTH": "adaptive"}},
+        {"name": "dflash2", "drafter": str(TRAINED_DFLASH2.drafter)},
+        {"name": "lilicorr", "drafter": str(TRAINED_LILICORR.drafter)},
+    ]
+    return mrv2_runs(runs, prompts, {"VLLM_USE_V2_MODEL_RUNNER": "1"})
+
+
+@pytest.fixture(scope="module")
+def in_tree(prompts) -> dict:
+    """vLLM's own MRV2 DFlash on the same drafter (the plugin steps aside)."""
+    runs = [{"name": "dflash", "drafter": str(TRAINED.drafter)}]
+    return mrv2_runs(runs, prompts, {"VLLM_USE_V2_MODEL_RUNNER": "1",
+                                     "VLLM_DFLASH_IMPL": "vllm"})
+
+
+@pytest.fixture(scope="module")
+def on_v1(prompts) -> dict:
+    """The same drafters on the V1 runner, in this process."""
+    out = {}
+    for name, pair in (("dflash", TRAINED), ("dflash2", TRAINED_DFLASH2),
+                       ("lilicorr", TRAINED_LILICORR)):
+        llm = dflash_llm(pair, K, max_num_seqs=4)
+        out[name] = {"batch": generate_ids(llm, prompts, max_tokens=MAX_TOKENS, ignore_eos=True),
+                     "spec": spec_metrics(llm)}
+        del llm
+    return out
+
+
+def mean_acceptance_length(spec: dict) -> float:
+    return 1 + spec["accepted"] / spec["drafts"]
+
+
+def test_engines_run_on_model_runner_v2(ours):
+    for name, out in ours.items():
+        assert out["runner"] == "vllm.v1.worker.cpu.model_runner.CPUModelRunner", name
+    assert any("runner=Model Runner V2" in line for line in ours["dflash"]["lines"])
+
+
+def test_greedy_output_equals_no_speculation(ours):
+    plain = ours["plain"]
+    for name in ("dflash", "chunked", "adaptive", "dflash2", "lilicorr"):
+        assert ours[name]["batch"] == plain["batch"], name
+    assert ours["preempted"]["long"] == plain["long"]
+    assert ours["dflash"]["alone"] == plain["alone"]
+    assert ours["chunked"]["again"] == plain["batch"]
+    assert ours["chunked"]["prefix_cache_hits"] > 0
+    assert ours["preempted"]["preemptions"] > 0
+
+
+def test_seeded_sampling_is_reproducible_and_varies(ours):
+    first, second = ours["dflash"]["seeded"]
+    assert first == second
+    # Every other request samples at T = 1: not the greedy tokens.
+    sampled = [i for i in range(len(first)) if i % 2]
+    assert any(first[i] != ours["plain"]["batch"][i] for i in sampled)
+    # Greedy requests in the same batch keep the greedy tokens.
+    assert [first[i] for i in range(0, len(first), 2)] == ours["plain"]["batch"][::2]
+
+
+def test_drafts_are_accepted_as_on_the_v1_runner(ours, on_v1):
+    for name in ("dflash", "dflash2", "lilicorr"):
+        mrv2, v1 = ours[name]["spec"], on_v1[name]["spec"]
+        assert mrv2["drafts"] > 0 and mrv2["accepted"] > 0, name
+        assert abs(mean_acceptance_length(mrv2) - mean_acceptance_length(v1)) <= 0.02, (
+            name, mrv2, v1)
+        assert on_v1[name]["batch"] == ours["plain"]["batch"], name
+
+
+def test_acceptance_equals_vllm_in_tree_mrv2_dflash(ours, in_tree):
+    assert in_tree["dflash"]["batch"] == ours["plain"]["batch"]
+    assert not in_tree["dflash"]["lines"]  # the plugin stepped aside
+    mine, theirs = ours["dflash"]["spec"], in_tree["dflash"]["spec"]
+    assert abs(mean_acceptance_length(mine) - mean_acceptance_length(theirs)) <= 0.02, (
+        mine, theirs)
+
+
+def test_adaptive_lengths_run_on_model_runner_v2(ours):
+    lines = ours["adaptive"]["lines"]
+    assert any("adaptive draft length" in line for line in lines), lines
+    assert ours["adaptive"]["spec"]["drafts"] > 0

@@ -1,0 +1,136 @@
+"""vLLM's Model Runner V2 (`vllm/v1/worker/gpu/spec_decode/`): vllm-dflash's speculator.
+
+MRV2 builds its speculator through `init_speculator`, then calls load_model, set_attn,
+init_cudagraph_manager and, every step after sampling, propose. The drafter's step is
+drafting.DraftRunner, the same as on the V1 runner; verification is MRV2's own rejection
+sampler (argmax-prefix acceptance for greedy requests, the standard rule against one-hot drafts
+for sampling ones: both lossless). This module imports MRV2 and is imported only when MRV2
+builds a speculator: on the CPU build MRV2's modules must load after vLLM's CPU worker
+patches torch. Checked on vLLM 0.32.0 (run, CPU) and 0.33.0 (read).
+"""
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.config import CUDAGraphMode, VllmConfig
+from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+
+from vllm_dflash.draft_policy import StepProfile
+from vllm_dflash.kernels.draft_attention import DraftBatch, draft_attention_path
+from vllm_dflash.vllm.config import validate_speculative_config
+from vllm_dflash.vllm.drafting import DraftRunner, target_layer_ids_for_vllm, warn_about_setup
+
+logger = logging.getLogger("vllm.vllm_dflash")  # inherits vLLM's log handler
+
+
+class DFlashSpeculator(DraftModelSpeculator):
+    """vllm-dflash's speculator for Model Runner V2; greedy drafts (MRV2 verifies them)."""
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
+        self.dflash_config = validate_speculative_config(vllm_config.speculative_config,
+                                                        vllm_config.model_config)
+        target_layer_ids_for_vllm(vllm_config, self.dflash_config)
+        super().__init__(vllm_config, device)
+        # One-hot drafts: MRV2's rejection sampler then verifies sampling requests by the
+        # standard rule with q one-hot, which keeps the target's distribution.
+        self.draft_logits = None
+        self.draft_runner = DraftRunner(vllm_config, self.dflash_config, device, self.dtype,
+                                        self.max_num_reqs)
+        logger.info(
+            "vllm-dflash: implementation=vllm-dflash (vllm_dflash.vllm.speculator."
+            "DFlashSpeculator), runner=Model Runner V2, drafter=%s, block_size=%d, "
+            "num_speculative_tokens=%d, draft layers=%d, draft attention=%s",
+            self.dflash_config.architecture, self.dflash_config.block_size,
+            self.num_speculative_steps, self.dflash_config.num_layers,
+            draft_attention_path(device))
+        warn_about_setup(vllm_config, device)
+        if vllm_config.speculative_config.draft_sample_method == "probabilistic":
+            logger.warning("vllm-dflash: draft_sample_method='probabilistic' is not supported on "
+                           "Model Runner V2 yet: drafts are greedy (verification stays exact); "
+                           "VLLM_USE_V2_MODEL_RUNNER=0 runs probabilistic drafts on the V1 runner")
+
+    # ---- set-up -------------------------------------------------------------------------
+
+    def load_draft_model(self, target_model: nn.Module,
+                         target_attn_layer_names: set[str]) -> nn.Module:
+        # The draft KV layers join vLLM's forward context here: MRV2 takes every attention
+        # layer the target does not own as the drafter's (draft_attn_layer_names).
+        self.draft_runner.load(target_model)
+        return self.draft_runner.drafter
+
+    def set_attn(self, model_state: Any, kv_cache_config: Any, block_tables: Any,
+                 target_input_buffers: Any, target_attn_groups: Any) -> None:
+        super().set_attn(model_state, kv_cache_config, block_tables, target_input_buffers,
+                         target_attn_groups)
+        # The draft layers share the target's KV cache group: its block table and slots.
+        self.kv_cache_gid = self.draft_runner.kv_cache_group(kv_cache_config)
+
+    def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
+        pass  # the drafter's CUDA graphs are its own (draft_graphs.py), captured in capture()
+
+    def capture(self) -> None:
+        if self.draft_runner.draft_graphs is None and self.draft_runner.uses_cuda_graphs():
+            self.draft_runner.capture_draft_graphs()
+
+    # ---- per step -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        input_batch: Any,
+        attn_metadata: dict[str, Any] | None,
+        slot_mappings: dict[str, torch.Tensor] | None,
+        last_hidden_states: torch.Tensor,
+        aux_hidden_states: list[torch.Tensor] | None,
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        last_sampled: torch.Tensor,
+        next_prefill_tokens: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        dp_sync_state: Any = None,
+        dummy_run: bool = False,
+        skip_attn_for_dummy_run: bool = False,
+        mm_inputs: Any = None,
+        is_profile: bool = False,
+        num_speculative_tokens: int | None = None,
+    ) -> torch.Tensor:
+        """[num_reqs, K] int64 draft tokens (the first k real, -1 after), the runner's shape
+        whatever k this step drafts; k = 0 still injects the step's context."""
+        num_reqs, max_draft = input_batch.num_reqs, self.num_speculative_steps
+        num_draft = max_draft if num_speculative_tokens is None else num_speculative_tokens
+        drafts = torch.full((num_reqs, max_draft), -1, dtype=torch.int64, device=self.device)
+        if dummy_run:  # profiling, possibly before the KV cache exists: writes no cache
+            self.draft_runner.dummy_run(input_batch.num_tokens, sampling=False)
+            return drafts
+        num_tokens = input_batch.num_tokens
+        positions = input_batch.positions[:num_tokens]
+        features = torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)
+        slots = slot_mappings[self.draft_runner.kv_layer_names[0]][:num_tokens]
+        ctx = self.draft_runner.inject_context(features, positions, slots)
+        if num_draft == 0:
+            return drafts
+        rejected = num_rejected[:num_reqs]
+        last_valid = (input_batch.query_start_loc[1:num_reqs + 1] - 1 - rejected).long()
+        rows = input_batch.idx_mapping[:num_reqs]
+        # A prefill chunk samples nothing; its drafts are never verified, anchored on the
+        # prompt's next token.
+        anchors = torch.where(num_sampled[:num_reqs] > 0, last_sampled[rows, 0],
+                              next_prefill_tokens[0, rows].long()).to(torch.int32)
+        batch = DraftBatch(
+            block_table=self.block_tables.input_block_tables[self.kv_cache_gid][:num_reqs],
+            context_lens=(input_batch.seq_lens[:num_reqs] - rejected).to(torch.int32),
+            query_start_loc=self.draft_runner.block_starts[:num_reqs + 1],
+            anchor_positions=(positions[last_valid] + 1).to(torch.int32),
+        )
+        anchor_states = (ctx[last_valid] if self.draft_runner.drafter.lilicorr is not None
+                         else None)
+        drafts[:, :num_draft] = self.draft_runner.draft_tokens(anchors, batch, num_draft, None,
+                                                               anchor_states)
+        return drafts
+
+    def profile_step_costs(self, runner: Any) -> StepProfile:
+        return self.draft_runner.profile_step_costs(runner._dummy_run, runner.max_num_reqs,
+                                                    runner.max_num_tokens)
