@@ -566,7 +566,11 @@ def step_e2e(runner: Runner, args: argparse.Namespace) -> Result:
     if rc != 0:
         return result(*_status(rc, "writing the random pair"))
     outputs, logs = {}, {}
-    for name, drafter in (("plain", []), ("dflash", ["--drafter", str(work / "drafter")])):
+    with_drafter = ["--drafter", str(work / "drafter")]
+    # The V1 runner (vllm-dflash's default) and Model Runner V2 (vLLM's default on GPUs).
+    engines = (("plain", [], {}), ("dflash", with_drafter, {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
+               ("dflash-mrv2", with_drafter, {"VLLM_USE_V2_MODEL_RUNNER": "1"}))
+    for name, drafter, runner_env in engines:
         out_json = runner.out_dir / f"e2e-{name}.json"
         cmd = [sys.executable, __file__, "generate", str(work / "target"), str(out_json),
                "--shape", args.e2e_shape, "--dtype", args.e2e_dtype, *drafter]
@@ -575,18 +579,22 @@ def step_e2e(runner: Runner, args: argparse.Namespace) -> Result:
         # Fixed draft length: every step verifies K drafts, whatever the random drafter's
         # acceptance (the adaptive policy would switch drafting off).
         rc, logs[name] = runner.run(f"e2e-{name}", cmd, STEP_LIMITS_S["e2e"],
-                                    env={"VLLM_DFLASH_DRAFT_LENGTH": "fixed"})
+                                    env={"VLLM_DFLASH_DRAFT_LENGTH": "fixed", **runner_env})
         if rc != 0:
             return result(*_status(rc, f"the {name} engine"))
         outputs[name] = json.loads(out_json.read_text())
     if "implementation=vllm-dflash" not in logs["dflash"]:
         return result(FAILED, "the dflash engine did not log vllm-dflash's proposer")
+    if "runner=Model Runner V2" not in logs["dflash-mrv2"]:
+        return result(FAILED, "the MRV2 engine did not log vllm-dflash's speculator")
     failures = []
-    for batch in E2E_BATCHES:
-        key = f"batch_{batch}"
-        for line in compare_outputs(outputs["plain"][key], outputs["dflash"][key]):
-            failures.append(f"batch {batch}: {line}")
-    print("\n".join(["", f"spec decode counters: {outputs['dflash']['spec_decode']}",
+    for name in ("dflash", "dflash-mrv2"):
+        for batch in E2E_BATCHES:
+            key = f"batch_{batch}"
+            for line in compare_outputs(outputs["plain"][key], outputs[name][key]):
+                failures.append(f"{name}, batch {batch}: {line}")
+    print("\n".join(["", f"spec decode counters (V1): {outputs['dflash']['spec_decode']}",
+                     f"spec decode counters (MRV2): {outputs['dflash-mrv2']['spec_decode']}",
                      *failures]))
     if failures:
         return result(FAILED, f"{len(failures)} requests differ from no speculation")
@@ -598,8 +606,8 @@ def step_e2e(runner: Runner, args: argparse.Namespace) -> Result:
     graphs = f"CUDA graphs on ({captured.split('vllm-dflash: ')[-1]})" if on_gpu else \
         "eager (no GPU)"
     scheduling = "async" if outputs["dflash"]["async_scheduling"] else "sync"
-    return result(OK, f"greedy with DFlash == without, batch 1 and 16, {graphs}, "
-                      f"{scheduling} scheduling")
+    return result(OK, f"greedy with DFlash == without, V1 runner and Model Runner V2, batch 1 "
+                      f"and 16, {graphs}, {scheduling} scheduling")
 
 
 STEPS: dict[str, Callable[[Runner, argparse.Namespace], Result]] = {
