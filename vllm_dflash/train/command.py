@@ -4,7 +4,7 @@ import argparse
 import json
 
 from vllm_dflash.config import DFLASH2_METAVAR, LILICORR_METAVAR, dflash2_option, lilicorr_option
-from vllm_dflash.train.trainer import TrainConfig, config_from_args, train
+from vllm_dflash.train.trainer import TrainConfig, config_from_args, regenerate_only, train
 
 DEFAULTS = TrainConfig(target="", data="", out="")
 
@@ -92,6 +92,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="regenerate responses with the target (vLLM) instead of the data's text",
     )
     p.add_argument(
+        "--regenerate-batch-size",
+        type=int,
+        default=d.regenerate_batch_size,
+        help="prompts per vLLM batch; each finished batch is saved to the responses file "
+        "under --cache-dir, which a rerun resumes from",
+    )
+    p.add_argument(
+        "--regenerate-only",
+        action="store_true",
+        help="only regenerate the responses into --cache-dir (resumable), then stop; a later "
+        "run with the same --cache-dir and data trains on them without starting vLLM",
+    )
+    p.add_argument(
         "--temperature",
         type=float,
         default=d.temperature,
@@ -134,5 +147,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.regenerate_only:
+        print(json.dumps(regenerate_only(config_from_args(args)), indent=2))
+        return
     stats = train(config_from_args(args))
     print(json.dumps({k: v for k, v in stats.items() if k != "history"}, indent=2))
