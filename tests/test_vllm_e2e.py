@@ -57,7 +57,7 @@ def test_startup_log_names_vllm_dflash(full_block, startup_log):
     lines = [line for line in startup_log if line.startswith("vllm-dflash:")]
     assert lines, startup_log
     assert "implementation=vllm-dflash" in lines[0]
-    assert "runner=CPUModelRunner, drafter=DFlashDraftModel" in lines[0]
+    assert "runner=CPUModelRunner (V1), drafter=DFlashDraftModel" in lines[0]
     assert "draft attention=c++" in lines[0]  # the compiled CPU kernel, not the torch fallback
 
 
