@@ -60,7 +60,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
             spec.draft_sample_method == "probabilistic"
             and spec.rejection_sample_method in ("standard", "block"))
         self.draft_runner = DraftRunner(vllm_config, self.dflash_config, device, self.dtype,
-                                 self.max_batch_size)
+                                        self.max_batch_size)
         logger.info(
             "vllm-dflash: implementation=vllm-dflash (vllm_dflash.vllm.spec_decode.DFlashProposer), "
             "runner=%s (V1), drafter=%s, block_size=%d, num_speculative_tokens=%d, "
@@ -147,8 +147,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
         # LiLiCorr's head reads the context state of each request's last accepted token.
         anchor_states = (ctx[last_valid.long()] if self.draft_runner.drafter.lilicorr is not None
                          else None)
-        tokens = self.draft_runner.draft_tokens(next_token_ids, batch, num_speculative_tokens, sampling,
-                                         anchor_states)
+        tokens = self.draft_runner.draft_tokens(next_token_ids, batch, num_speculative_tokens,
+                                                sampling, anchor_states)
         self._last_draft_probs = self.draft_runner.last_draft_probs
         return tokens
 
@@ -165,7 +165,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
 
     def profile_step_costs(self, runner: Any) -> StepProfile:
         return self.draft_runner.profile_step_costs(runner._dummy_run, runner.max_num_reqs,
-                                             runner.max_num_tokens)
+                                                    runner.max_num_tokens)
 
 
 SUPPORTED_RUNNERS = ("GPUModelRunner (V1)", "CPUModelRunner")
