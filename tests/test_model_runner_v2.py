@@ -1,6 +1,6 @@
 """vllm-dflash on Model Runner V2 (MRV2), run on this CPU with vLLM's Triton kernels
 interpreted: greedy output equals no speculation on MRV2 (alone, batched, prompts of 1 to 400
-tokens, chunked prefill with prefix-cache hits, preemption, async scheduling); seeded sampling
+tokens, chunked prefill with prefix-cache hits, preemption); seeded sampling
 is reproducible; acceptance equals the V1 runner's and vLLM's in-tree MRV2 DFlash's on the same
 drafter; DFlash2 and LiLiCorr drafters; adaptive draft lengths. Behaviour only: interpreted
 kernels say nothing of speed.
@@ -78,8 +78,7 @@ for run in case["runs"]:
     else:
         pair = Pair(target=case["target"], drafter=run["drafter"], block_size=case["k"] + 1)
         llm = dflash_llm(pair, run.get("k", case["k"]), **engine)
-    out = {"runner": llm.collective_rpc(runner)[0],
-           "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling}
+    out = {"runner": llm.collective_rpc(runner)[0]}
     prompts = case["prompts"]
     if not run.get("long_only"):
         out["batch"] = generate_ids(llm, prompts, max_tokens=case["max_tokens"],
@@ -132,8 +131,6 @@ def ours(prompts) -> dict:
          "engine": {"max_num_batched_tokens": 64, "enable_prefix_caching": True}},
         {"name": "preempted", "drafter": str(TRAINED.drafter), "engine": small_cache,
          "long": True, "long_only": True},
-        {"name": "async", "drafter": str(TRAINED.drafter),
-         "engine": {"async_scheduling": True}},
         {"name": "adaptive", "drafter": str(TRAINED.drafter),
          "env": {"VLLM_DFLASH_DRAFT_LENGTH": "adaptive"}},
         {"name": "dflash2", "drafter": str(TRAINED_DFLASH2.drafter)},
@@ -175,7 +172,7 @@ def test_engines_run_on_model_runner_v2(ours):
 
 def test_greedy_output_equals_no_speculation(ours):
     plain = ours["plain"]
-    for name in ("dflash", "chunked", "async", "adaptive", "dflash2", "lilicorr"):
+    for name in ("dflash", "chunked", "adaptive", "dflash2", "lilicorr"):
         assert ours[name]["batch"] == plain["batch"], name
     assert ours["preempted"]["long"] == plain["long"]
     assert ours["dflash"]["alone"] == plain["alone"]
@@ -209,12 +206,6 @@ def test_acceptance_equals_vllm_in_tree_mrv2_dflash(ours, in_tree):
     mine, theirs = ours["dflash"]["spec"], in_tree["dflash"]["spec"]
     assert abs(mean_acceptance_length(mine) - mean_acceptance_length(theirs)) <= 0.02, (
         mine, theirs)
-
-
-def test_async_scheduling_drafts_as_sync_scheduling(ours):
-    assert ours["async"]["async_scheduling"] is True
-    assert not ours["dflash"]["async_scheduling"]
-    assert ours["async"]["spec"] == ours["dflash"]["spec"]
 
 
 def test_adaptive_lengths_run_on_model_runner_v2(ours):
