@@ -213,6 +213,11 @@ class DFlashConfig:
         return any(getattr(self, key) is not None for key in keys)
 
     @property
+    def has_selector(self) -> bool:
+        """A candidate selector, DFlash2's or LiLiCorr's, chooses the drafts."""
+        return self.is_dflash2 or self.lilicorr is not None
+
+    @property
     def has_convs(self) -> bool:
         """Grouped causal convolutions around each layer's attention and MLP."""
         return self.conv_kernel_size is not None or self.conv_group_size is not None

@@ -181,12 +181,15 @@ class DraftRunner:
         """[B] anchors -> [B, num_draft] draft tokens. The drafter's pass is replayed from a
         CUDA graph when one fits the batch. Sampled drafts leave their distributions in
         last_draft_probs, where the runner reads them for verification."""
-        hidden = None if self.draft_graphs is None else self.draft_graphs.run(anchor_ids, batch)
-        if hidden is None:
-            hidden = self.draft_hidden(anchor_ids, batch)
-        tokens, self.last_draft_probs = self.choose_tokens(hidden[:, :num_draft], anchor_ids,
-                                                           sampling, anchor_states)
+        tokens, self.last_draft_probs = self.choose_tokens(
+            self.block_hidden(anchor_ids, batch)[:, :num_draft], anchor_ids, sampling,
+            anchor_states)
         return tokens
+
+    def block_hidden(self, anchor_ids: torch.Tensor, batch: DraftBatch) -> torch.Tensor:
+        """draft_hidden, replayed from a CUDA graph when one fits the batch."""
+        hidden = None if self.draft_graphs is None else self.draft_graphs.run(anchor_ids, batch)
+        return self.draft_hidden(anchor_ids, batch) if hidden is None else hidden
 
     def choose_tokens(self, hidden: torch.Tensor, anchor_ids: torch.Tensor,
                       sampling: DraftSampling | None = None,

@@ -3,8 +3,12 @@
 MRV2 builds its speculator through `init_speculator`, then calls load_model, set_attn,
 init_cudagraph_manager and, every step after sampling, propose. The drafter's step is
 drafting.DraftRunner, the same as on the V1 runner; verification is MRV2's own rejection
-sampler (argmax-prefix acceptance for greedy requests, the standard rule against one-hot drafts
-for sampling ones: both lossless). This module imports MRV2 and is imported only when MRV2
+sampler (argmax-prefix acceptance for greedy requests, the standard rule for sampling ones:
+both lossless). With `draft_sample_method: "probabilistic"` a DFlash drafter's drafts are drawn
+by MRV2's own draft sampler (gumbel_sample at each request's temperature, keyed by its seed and
+position), which leaves the drafter's logits in draft_logits for the rejection sampler's q;
+otherwise, and for DFlash2 and LiLiCorr drafters (whose drafts are their selector's walk, not
+draws from the logits), drafts are the greedy ones, one-hot q. This module imports MRV2 and is imported only when MRV2
 builds a speculator: on the CPU build MRV2's modules must load after vLLM's CPU worker
 patches torch. Checked on vLLM 0.32.0 (run, CPU) and 0.33.0 (read).
 """
@@ -26,18 +30,24 @@ logger = logging.getLogger("vllm.vllm_dflash")  # inherits vLLM's log handler
 
 
 class DFlashSpeculator(DraftModelSpeculator):
-    """vllm-dflash's speculator for Model Runner V2; greedy drafts (MRV2 verifies them)."""
+    """vllm-dflash's speculator for Model Runner V2 (MRV2 verifies its drafts)."""
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         self.dflash_config = validate_speculative_config(vllm_config.speculative_config,
                                                         vllm_config.model_config)
         target_layer_ids_for_vllm(vllm_config, self.dflash_config)
         super().__init__(vllm_config, device)
-        # One-hot drafts: MRV2's rejection sampler then verifies sampling requests by the
-        # standard rule with q one-hot, which keeps the target's distribution.
-        self.draft_logits = None
         self.draft_runner = DraftRunner(vllm_config, self.dflash_config, device, self.dtype,
                                         self.max_num_reqs)
+        probabilistic = vllm_config.speculative_config.draft_sample_method == "probabilistic"
+        if probabilistic and self.dflash_config.has_selector:
+            # One-hot drafts: MRV2's rejection sampler then verifies sampling requests by the
+            # standard rule with q one-hot, which keeps the target's distribution.
+            self.draft_logits = None
+            logger.warning("vllm-dflash: draft_sample_method='probabilistic' is not supported "
+                           "for %s drafters on Model Runner V2 yet: drafts are greedy "
+                           "(verification stays exact); VLLM_USE_V2_MODEL_RUNNER=0 samples "
+                           "them on the V1 runner", self.dflash_config.architecture)
         logger.info(
             "vllm-dflash: implementation=vllm-dflash (vllm_dflash.vllm.speculator."
             "DFlashSpeculator), runner=Model Runner V2, drafter=%s, block_size=%d, "
@@ -46,10 +56,6 @@ class DFlashSpeculator(DraftModelSpeculator):
             self.num_speculative_steps, self.dflash_config.num_layers,
             draft_attention_path(device))
         warn_about_setup(vllm_config, device)
-        if vllm_config.speculative_config.draft_sample_method == "probabilistic":
-            logger.warning("vllm-dflash: draft_sample_method='probabilistic' is not supported on "
-                           "Model Runner V2 yet: drafts are greedy (verification stays exact); "
-                           "VLLM_USE_V2_MODEL_RUNNER=0 runs probabilistic drafts on the V1 runner")
 
     # ---- set-up -------------------------------------------------------------------------
 
@@ -125,11 +131,34 @@ class DFlashSpeculator(DraftModelSpeculator):
             query_start_loc=self.draft_runner.block_starts[:num_reqs + 1],
             anchor_positions=(positions[last_valid] + 1).to(torch.int32),
         )
+        if self.draft_logits is not None:
+            drafts[:, :num_draft] = self.sampled_drafts(anchors, batch, num_draft, rows,
+                                                        temperature, seeds)
+            return drafts
         anchor_states = (ctx[last_valid] if self.draft_runner.drafter.lilicorr is not None
                          else None)
         drafts[:, :num_draft] = self.draft_runner.draft_tokens(anchors, batch, num_draft, None,
                                                                anchor_states)
         return drafts
+
+    def sampled_drafts(self, anchors: torch.Tensor, batch: DraftBatch, num_draft: int,
+                       rows: torch.Tensor, temperature: torch.Tensor,
+                       seeds: torch.Tensor) -> torch.Tensor:
+        """[num_reqs, num_draft] drafts drawn by MRV2's draft sampler, which caches the
+        drafter's logits in draft_logits[row, j] for verification. Draft j predicts position
+        anchor + 1 + j; MRV2 keys its draw by the position before, anchor + j."""
+        num_reqs = anchors.shape[0]
+        hidden = self.draft_runner.block_hidden(anchors, batch)[:, :num_draft].flatten(0, 1)
+        steps = torch.arange(num_draft, device=self.device)
+        positions = (batch.anchor_positions[:, None].long() + steps).flatten()
+        tokens = self.sample_draft(hidden, positions, rows.long().repeat_interleave(num_draft),
+                                   temperature, seeds, steps.repeat(num_reqs).to(torch.int32),
+                                   self.draft_logits)
+        return tokens.view(num_reqs, num_draft)
+
+    def compute_draft_logits(self, hidden_states: torch.Tensor,
+                             spec_step_idx: int) -> torch.Tensor:
+        return self.draft_runner.logits(hidden_states)
 
     def profile_step_costs(self, runner: Any) -> StepProfile:
         return self.draft_runner.profile_step_costs(runner._dummy_run, runner.max_num_reqs,
