@@ -277,3 +277,52 @@ def run_python(code: str, *args: str, **env: str) -> list[dict]:
                if line.startswith("RESULT ")]
     assert results, f"rc={done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return results
+
+
+def counted_as_vllm(per_prompt: list[list[int]], max_new_tokens: int) -> float:
+    """Mean tokens per block as vLLM counts them: every verified block whole (vLLM truncates to
+    max_tokens after counting), one block per step that starts before max_tokens output
+    tokens."""
+    counted = []
+    for lengths in per_prompt:
+        num_output = 1  # the token sampled at prefill
+        for produced in lengths:
+            if num_output >= max_new_tokens:
+                break
+            counted.append(produced)
+            num_output += produced
+    return sum(counted) / len(counted)
+
+
+def reference_acceptance(pair: Pair, prompt_ids: list[list[int]], max_new_tokens: int) -> float:
+    """Mean acceptance length of dflash==0.1.0's own generate loop, on the same prompts, or for
+    a LiLiCorr drafter (which it does not have) of this package's pure-torch loop
+    (train/evaluate.py). A budget one block longer, so that no block vLLM verifies is cut
+    short here."""
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm_dflash.checkpoint import load_config
+
+    budget = max_new_tokens + pair.block_size
+    target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
+    architecture = load_config(pair.drafter).architecture
+    if architecture == "LiLiCorrDraftModel":
+        from vllm_dflash.checkpoint import load_drafter
+        from vllm_dflash.train.evaluate import speculative_greedy
+
+        drafter = load_drafter(pair.drafter, torch.float32).eval()
+        with torch.no_grad():
+            return counted_as_vllm([speculative_greedy(drafter, target, ids, budget)[1]
+                                    for ids in prompt_ids], max_new_tokens)
+    import dflash.model as ref
+
+    drafter = getattr(ref, architecture).from_pretrained(pair.drafter, dtype=torch.float32)
+    # return_stats=True times with torch.cuda.synchronize(); on CPU a plain clock does.
+    ref._cuda_time = time.perf_counter
+    return counted_as_vllm([
+        ref.dflash_generate(drafter.eval(), target, torch.tensor([ids]), budget, None,
+                            block_size=pair.block_size, return_stats=True).acceptance_lengths
+        for ids in prompt_ids], max_new_tokens)

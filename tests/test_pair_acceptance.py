@@ -3,23 +3,19 @@ prompts the drafter never saw, equal to the reference package's (for LiLiCorr, w
 not have, to this package's own torch loop), with lossless output; for its DFlash drafter and
 for the DFlash2 and LiLiCorr drafters trained on the same data."""
 
-import time
-
 import pytest
-import torch
 
 from tests.engines import (
     TRAINED,
     TRAINED_DFLASH2,
     TRAINED_LILICORR,
-    Pair,
     dflash_llm,
     generate_ids,
     greedy_baseline,
     heldout_ids,
+    reference_acceptance,
     spec_metrics,
 )
-from vllm_dflash.checkpoint import load_config
 
 MAX_NEW_TOKENS = 64
 MIN_ACCEPTANCE = 2.5
@@ -54,50 +50,6 @@ def plugin_runs(prompts, baseline) -> dict[str, tuple[list[list[int]], float]]:
     return runs
 
 
-def counted_as_vllm(per_prompt: list[list[int]]) -> float:
-    """Mean tokens per block as vLLM counts them: every verified block whole (vLLM truncates to
-    max_tokens after counting), one block per step that starts before max_tokens output
-    tokens."""
-    counted = []
-    for lengths in per_prompt:
-        num_output = 1  # the token sampled at prefill
-        for produced in lengths:
-            if num_output >= MAX_NEW_TOKENS:
-                break
-            counted.append(produced)
-            num_output += produced
-    return sum(counted) / len(counted)
-
-
-def reference_acceptance(pair: Pair, prompt_ids: list[list[int]]) -> float:
-    """Mean acceptance length of dflash==0.1.0's own generate loop, on the same prompts, or for
-    a LiLiCorr drafter (which it does not have) of this package's pure-torch loop
-    (train/evaluate.py). A budget one block longer, so that no block vLLM verifies is cut
-    short here."""
-    from transformers import AutoModelForCausalLM
-
-    budget = MAX_NEW_TOKENS + pair.block_size
-    target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
-    architecture = load_config(pair.drafter).architecture
-    if architecture == "LiLiCorrDraftModel":
-        from vllm_dflash.checkpoint import load_drafter
-        from vllm_dflash.train.evaluate import speculative_greedy
-
-        drafter = load_drafter(pair.drafter, torch.float32).eval()
-        with torch.no_grad():
-            return counted_as_vllm([speculative_greedy(drafter, target, ids, budget)[1]
-                                    for ids in prompt_ids])
-    import dflash.model as ref
-
-    drafter = getattr(ref, architecture).from_pretrained(pair.drafter, dtype=torch.float32)
-    # return_stats=True times with torch.cuda.synchronize(); on CPU a plain clock does.
-    ref._cuda_time = time.perf_counter
-    return counted_as_vllm([
-        ref.dflash_generate(drafter.eval(), target, torch.tensor([ids]), budget, None,
-                            block_size=pair.block_size, return_stats=True).acceptance_lengths
-        for ids in prompt_ids])
-
-
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_plugin_output_equals_no_speculation(name, plugin_runs, baseline):
     assert plugin_runs[name][0] == baseline
@@ -107,7 +59,7 @@ def test_plugin_output_equals_no_speculation(name, plugin_runs, baseline):
 def test_acceptance_is_real_and_equals_reference(name, pair, prompt_ids, plugin_runs):
     plugin_acceptance = plugin_runs[name][1]
     assert plugin_acceptance >= MIN_ACCEPTANCE
-    assert abs(plugin_acceptance - reference_acceptance(pair, prompt_ids)) <= 0.05
+    assert abs(plugin_acceptance - reference_acceptance(pair, prompt_ids, MAX_NEW_TOKENS)) <= 0.05
 
 
 def test_dflash2_drafter_is_accepted_more(plugin_runs):

@@ -25,7 +25,7 @@ from vllm_dflash.train.blocks import (
 )
 from vllm_dflash.train.data import load_examples
 from vllm_dflash.train.evaluate import speculative_greedy
-from vllm_dflash.train.features import load_target
+from vllm_dflash.train.features import context_features, load_target, target_features
 from vllm_dflash.train.forward import draft_pass
 from vllm_dflash.train.trainer import TrainConfig, Trainer, config_from_args, drafter_config
 
@@ -94,6 +94,14 @@ def test_packed_blocks_equal_one_block_at_a_time(drafter, target):
             *weights,
         )[1]
         torch.testing.assert_close(packed[one], alone, atol=1e-5, rtol=1e-4)
+
+
+def test_context_features_are_the_full_passes(target):
+    """Training's decoder-only features equal those of the full pass the eval loop runs."""
+    ids = torch.randint(2, 500, (37,), generator=torch.Generator().manual_seed(0)).tolist()
+    features, _ = target_features(target, ids, [0, 2])
+    assert features.shape == (37, 2 * target.config.hidden_size)
+    assert torch.equal(context_features(target, ids, [0, 2]), features)
 
 
 def test_block_inputs():

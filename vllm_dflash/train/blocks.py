@@ -1,7 +1,8 @@
 """Training blocks: random anchors, the packed attention mask and the loss weights.
 
 A block anchored at position p is [token p, MASK x (B-1)] at positions p .. p+B-1; its mask
-positions k = 1..B-1 predict tokens p+k. Many blocks of one sequence share one forward pass:
+positions k = 1..B-1 predict tokens p+k. Blocks lie inside the trained spans of a sequence (its
+response, or each assistant turn of a chat). Many blocks of one sequence share one forward pass:
 each block sees the context features at positions < p and its own B positions
 (bidirectionally), never another block.
 """
@@ -33,12 +34,21 @@ def sample_anchors(
     Blocks may overlap (they never see each other). Returns fewer than num_anchors when the
     response has fewer valid positions, none when it is shorter than a block.
     """
-    first = max(response_start, 1)
-    count = seq_len - block_size + 1 - first
-    if count <= 0:
+    return span_anchors([(response_start, seq_len)], block_size, num_anchors, gen)
+
+
+def span_anchors(
+    spans: list[tuple[int, int]], block_size: int, num_anchors: int, gen: torch.Generator
+) -> torch.Tensor:
+    """Sorted distinct anchors p whose block p .. p+B-1 lies inside one of the [start, end)
+    spans (p >= 1: an anchor needs some context), so that every label is in a span too."""
+    valid = [torch.arange(max(start, 1), end - block_size + 1) for start, end in spans
+             if end - block_size + 1 > max(start, 1)]
+    if not valid:
         return torch.empty(0, dtype=torch.long)
-    picked = torch.randperm(count, generator=gen)[:num_anchors]
-    return picked.sort().values + first
+    valid = torch.cat(valid)
+    picked = torch.randperm(len(valid), generator=gen)[:num_anchors]
+    return valid[picked].sort().values
 
 
 def block_inputs(

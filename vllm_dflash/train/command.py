@@ -1,10 +1,20 @@
-"""The `vllm-dflash train` subcommand: arguments -> TrainConfig -> train()."""
+"""The `vllm-dflash train` subcommand: arguments -> TrainConfig -> train().
+
+The same command runs under `torchrun --nproc-per-node N -m vllm_dflash.cli train ...`: one
+drafter trained data-parallel over the N processes (see trainer.py).
+"""
 
 import argparse
 import json
 
 from vllm_dflash.config import DFLASH2_METAVAR, LILICORR_METAVAR, dflash2_option, lilicorr_option
-from vllm_dflash.train.trainer import TrainConfig, config_from_args, regenerate_only, train
+from vllm_dflash.train.trainer import (
+    AUTOCAST,
+    TrainConfig,
+    config_from_args,
+    regenerate_only,
+    train,
+)
 
 DEFAULTS = TrainConfig(target="", data="", out="")
 
@@ -25,7 +35,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--data",
         required=True,
-        help='JSONL of {"prompt"} / {"messages"} records, or a folder of text files',
+        help='JSONL of {"prompt"[, "response"]}, {"messages"} or ShareGPT {"conversations"} '
+        "records (read streaming; every assistant turn of a chat is trained), a local Hugging "
+        "Face dataset (save_to_disk folder, .parquet/.arrow files; needs `datasets`), or a "
+        "folder of text files",
     )
     p.add_argument("--out", required=True, help="output dir: drafter checkpoint + trainer state")
     p.add_argument("--block-size", type=int, default=d.block_size, help="B: anchor + B-1 drafts")
@@ -61,7 +74,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--epochs", type=int, default=d.epochs, help="passes over the sequences")
     p.add_argument("--lr", type=float, default=d.lr, help="AdamW peak learning rate")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=d.batch_size,
+        help="sequences per batch over all ranks (a multiple of the world size)",
+    )
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=d.grad_accum,
+        help="batches whose gradients one optimizer step sums (one all-reduce per step); with "
+        "--online-features a rank's share of a batch is one target forward, so this trades "
+        "that memory for steps",
+    )
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="max prompt+response tokens")
     p.add_argument(
         "--anchors-per-seq", type=int, default=d.anchors_per_seq, help="blocks per sequence"
@@ -99,6 +125,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "under --cache-dir, which a rerun resumes from",
     )
     p.add_argument(
+        "--regen-tp",
+        type=int,
+        default=d.regen_tp,
+        help="GPUs per regeneration engine (vLLM tensor_parallel_size)",
+    )
+    p.add_argument(
+        "--regen-dp",
+        type=int,
+        default=d.regen_dp,
+        help="regeneration engines at once, each on its own --regen-tp GPUs with its share of "
+        "the prompts",
+    )
+    p.add_argument(
         "--regenerate-only",
         action="store_true",
         help="only regenerate the responses into --cache-dir (resumable), then stop; a later "
@@ -110,8 +149,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=d.temperature,
         help="regeneration temperature (0: greedy)",
     )
-    p.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
+    p.add_argument("--device", default=d.device, help="cpu or cuda[:N] (cuda: under torchrun, "
+                   "each rank's cuda:LOCAL_RANK)")
     p.add_argument("--dtype", default=d.dtype, help="target dtype (the drafter trains in fp32)")
+    p.add_argument(
+        "--autocast",
+        choices=AUTOCAST,
+        default=d.autocast,
+        help="bf16: the drafter's forward in bf16 autocast, its weights and AdamW state fp32",
+    )
+    p.add_argument(
+        "--online-features",
+        action="store_true",
+        help="compute the target's features of each batch as it trains (no grad) instead of "
+        "all of them up front; no feature cache (for large targets, whose features would not "
+        "fit in memory or on disk)",
+    )
     p.add_argument("--save-dtype", default=d.save_dtype, help="dtype of the saved drafter")
     p.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
     p.add_argument(
@@ -151,4 +204,5 @@ def run(args: argparse.Namespace) -> None:
         print(json.dumps(regenerate_only(config_from_args(args)), indent=2))
         return
     stats = train(config_from_args(args))
-    print(json.dumps({k: v for k, v in stats.items() if k != "history"}, indent=2))
+    if stats is not None:  # rank 0
+        print(json.dumps({k: v for k, v in stats.items() if k != "history"}, indent=2))
