@@ -1,6 +1,7 @@
 """`vllm-dflash train` on several ranks (gloo, 2 CPU processes): per-rank data shards, one DDP
 step equal to a single-process step on the same global batch, and a torchrun run killed
-mid-epoch that resumes to the loss curve of a run left alone."""
+mid-epoch that resumes to the loss curve of a run left alone; a drafter 2 ranks trained serves
+through vLLM with method "dflash"."""
 
 import json
 import os
@@ -17,6 +18,15 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
+from tests.engines import (
+    Pair,
+    dflash_llm,
+    generate_ids,
+    greedy_baseline,
+    prompts_of_lengths,
+    reference_acceptance,
+    spec_metrics,
+)
 from vllm_dflash.cli import build_parser
 from vllm_dflash.tiny import write_random_target
 from vllm_dflash.train import data
@@ -203,3 +213,22 @@ def test_torchrun_resumes_after_a_kill_to_the_same_loss_curve(target_dir, tmp_pa
     weights = load_file(killed_out / "model.safetensors")
     for name, weight in load_file(straight_out / "model.safetensors").items():
         torch.testing.assert_close(weights[name], weight, rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_drafter_two_ranks_trained_serves_losslessly(target_dir, tmp_path):
+    """Greedy output through LLM() equals no speculation, and acceptance equals the reference
+    package's loop on the same drafter (the checkpoint is read as written)."""
+    out = tmp_path / "drafter"
+    finished(torchrun(train_argv(target_dir, write_data(tmp_path / "data.jsonl", 12), out,
+                                 "--batch-size", "2")))
+    pair = Pair(target=target_dir, drafter=out, block_size=8)
+    prompts = prompts_of_lengths(target_dir, (5, 17, 40))
+    baseline = greedy_baseline(target_dir, prompts, 32)
+    llm = dflash_llm(pair, pair.block_size - 1)
+    got = generate_ids(llm, prompts, max_tokens=32, ignore_eos=True)
+    metrics = spec_metrics(llm)
+    del llm
+    assert got == baseline
+    acceptance = 1 + metrics["accepted"] / metrics["drafts"]
+    reference = reference_acceptance(pair, [p["prompt_token_ids"] for p in prompts], 32)
+    assert abs(acceptance - reference) <= 0.05, (acceptance, reference)
