@@ -1,12 +1,13 @@
-"""`vllm-dflash` command line: one subcommand per module (`train`, `bench`, `pair`)."""
+"""`vllm-dflash` command line: one subcommand per module (`train`, `bench`, `pair`, `convert`)."""
 
 import argparse
 
+from vllm_dflash import convert as convert_command
 from vllm_dflash.bench import command as bench_command
 from vllm_dflash.pairs import command as pair_command
 from vllm_dflash.train import command as train_command
 
-SUBCOMMANDS = (train_command, bench_command, pair_command)
+SUBCOMMANDS = (train_command, bench_command, pair_command, convert_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

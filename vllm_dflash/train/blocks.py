@@ -83,6 +83,14 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
     return (per_token * w).sum() / w.sum()
 
 
+def position_hits(logits: torch.Tensor, labels: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B-1] counts, over the blocks, of mask positions k = 1..B-1 whose greedy token (argmax of
+    the logits) is the label."""
+    greedy = logits.detach().view(-1, block_size, logits.shape[-1])[:, 1:].argmax(dim=-1)
+    truth = labels.view(-1, block_size)[:, 1:].to(greedy.device)
+    return (greedy == truth).sum(dim=0).float()
+
+
 def selector_loss(selector: CandidateSelector, hidden: torch.Tensor, logits: torch.Tensor,
                   block_ids: torch.Tensor, labels: torch.Tensor,
                   weights: torch.Tensor) -> torch.Tensor:

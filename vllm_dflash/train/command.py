@@ -8,6 +8,7 @@ import argparse
 import json
 
 from vllm_dflash.config import DFLASH2_METAVAR, LILICORR_METAVAR, dflash2_option, lilicorr_option
+from vllm_dflash.convert import SCHEMAS
 from vllm_dflash.train.trainer import (
     AUTOCAST,
     TrainConfig,
@@ -27,7 +28,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train",
         help="train a DFlash drafter for a target model",
-        description="Train a DFlash drafter (z-lab format) on the target's own responses.",
+        description="Train a DFlash drafter (z-lab or speculators format) on the target's own "
+        "responses.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     d = DEFAULTS
@@ -166,6 +168,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "fit in memory or on disk)",
     )
     p.add_argument("--save-dtype", default=d.save_dtype, help="dtype of the saved drafter")
+    p.add_argument(
+        "--save-format",
+        choices=SCHEMAS,
+        default=d.save_format,
+        help="schema of the saved drafter's config.json (speculators: names --target as the "
+        "verifier; `vllm-dflash convert` rewrites a drafter in the other)",
+    )
+    p.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        default=d.tensorboard,
+        help="write scalars to a tensorboard event file in DIR every step: loss, lr, block "
+        "tokens/s, greedy accuracy per mask position, and the eval acceptance length per epoch "
+        "(needs `pip install tensorboard`)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
     p.add_argument(
         "--save-every",

@@ -1,4 +1,5 @@
-"""The drafter's loss on one training sequence: its blocks at given anchors, one forward.
+"""The drafter's loss on one training sequence: its blocks at given anchors, one forward; and
+per mask position, how many of the blocks' greedy tokens are right (from the same logits).
 
 SequenceLoss makes it a module's forward: the unit DDP wraps, since DDP prepares the gradient
 sync of a backward in the forward that precedes it.
@@ -16,6 +17,7 @@ from vllm_dflash.train.blocks import (
     block_mask,
     lattice_loss,
     loss_weights,
+    position_hits,
     selector_loss,
 )
 from vllm_dflash.train.forward import draft_pass
@@ -28,8 +30,9 @@ def sequence_loss(
     features: torch.Tensor,
     frozen: tuple[torch.Tensor, torch.Tensor],
     gamma: float,
-) -> torch.Tensor:
-    """Weighted block loss of the blocks at anchors of one sequence (one forward)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted block loss of the blocks at anchors of one sequence (one forward), and its
+    [B-1] position_hits."""
     B, device = drafter.cfg.block_size, features.device
     ids = torch.tensor(token_ids)
     block_ids, positions, labels = block_inputs(ids, anchors, B, drafter.cfg.mask_token_id)
@@ -48,7 +51,7 @@ def sequence_loss(
                                 drafter.fuse(features[anchors.to(device) - 1].to(hidden.dtype)),
                                 partial(F.embedding, weight=embed_weight))
         loss = loss + lattice_loss(drafter.lilicorr, hidden, logits, labels, weights, inputs)
-    return loss
+    return loss, position_hits(logits, labels, B)
 
 
 class SequenceLoss(torch.nn.Module):
@@ -62,9 +65,10 @@ class SequenceLoss(torch.nn.Module):
 
     def forward(
         self, token_ids: list[int], anchors: torch.Tensor, features: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if len(anchors) == 0:
             # A rank joins every gradient sync, also with no block to learn from: a zero loss
             # that reaches every parameter.
-            return sum(p.sum() for p in self.parameters()) * 0.0
+            zero = sum(p.sum() for p in self.parameters()) * 0.0
+            return zero, torch.zeros(self.drafter.cfg.block_size - 1, device=features.device)
         return sequence_loss(self.drafter, token_ids, anchors, features, self.frozen, self.gamma)

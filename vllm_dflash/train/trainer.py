@@ -32,6 +32,7 @@ from vllm_dflash.config import (
     lilicorr_fields,
     resolve_dtype,
 )
+from vllm_dflash.convert import SCHEMAS
 from vllm_dflash.tiny import MASK_TOKEN, random_drafter
 from vllm_dflash.train.blocks import default_gamma, span_anchors
 from vllm_dflash.train.data import Example, example_stream
@@ -62,6 +63,7 @@ from vllm_dflash.train.regenerate import (
     regenerate,
     settings_of,
 )
+from vllm_dflash.train.tensorboard_log import Board
 
 STATE_FILE = "trainer_state.pt"
 AUTOCAST = ("none", "bf16")
@@ -96,6 +98,8 @@ class TrainConfig:
     grad_accum: int = 1
     online_features: bool = False
     save_dtype: str = "bfloat16"
+    save_format: str = "z-lab"
+    tensorboard: str | None = None
     resume: bool = False
     save_every: int = 0
     cache_dir: str | None = None
@@ -115,6 +119,12 @@ class TrainConfig:
         if self.autocast not in AUTOCAST:
             raise ValueError(f"--autocast {self.autocast!r} is unknown; fix: pass one of "
                              f"{', '.join(AUTOCAST)}")
+        if self.save_format not in SCHEMAS:
+            raise ValueError(f"--save-format {self.save_format!r} is unknown; fix: pass one of "
+                             f"{', '.join(SCHEMAS)}")
+        if self.save_format == "speculators" and self.lilicorr:
+            raise ValueError("the speculators schema cannot hold a LiLiCorr drafter; fix: drop "
+                             "--save-format speculators (z-lab is the default) or --lilicorr")
         if self.grad_accum < 1 or self.batch_size < 1:
             raise ValueError(f"--batch-size {self.batch_size} and --grad-accum "
                              f"{self.grad_accum} must be >= 1; fix: pass positive counts")
@@ -338,6 +348,8 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, world: World = ALONE) -> None:
         self.cfg, self.out, self.world = cfg, Path(cfg.out), world
+        # First, so that a missing tensorboard package fails before any work.
+        self.board = Board(cfg.tensorboard) if cfg.tensorboard and world.is_main else None
         self.local_batch = local_batch_size(cfg.batch_size, world)
         tokenizer = AutoTokenizer.from_pretrained(cfg.target)
         examples, self.eval_prompts = split_examples(cfg, tokenizer, world)
@@ -368,6 +380,7 @@ class Trainer:
             self.optimizer, lr_lambda(self.total_steps, cfg.warmup)
         )
         self.step, self.history, self.losses = 0, [], []
+        self.step_accuracy: list[float] = []  # of the last accumulate, per mask position
         if cfg.resume and (self.out / STATE_FILE).exists():
             self.load_state()
 
@@ -419,20 +432,26 @@ class Trainer:
     def accumulate(self, indices: list[int], anchors: list[torch.Tensor]) -> tuple[float, int]:
         """Gradients of this rank's sequences at indices with their blocks at anchors, averaged
         over the step's sequences on all ranks. Returns the mean loss and the block tokens, over
-        all ranks."""
+        all ranks; sets step_accuracy, the blocks' greedy accuracy at each mask position."""
         count = int(all_sum([len(indices)], self.world, self.cfg.device)[0])
         items = [(i, a) for i, a in zip(indices, anchors) if len(a) > 0 or self.world.size > 1]
         if not items and self.world.size > 1:
             items = [(0, torch.empty(0, dtype=torch.long))]  # the rank still joins the sync
         total, tokens = 0.0, 0
+        hits = torch.zeros(self.cfg.block_size - 1, device=self.cfg.device)
         for start in range(0, len(items), self.local_batch):
             chunk = items[start : start + self.local_batch]
             features = self.features_of([i for i, _ in chunk])
             for k, ((i, a), f) in enumerate(zip(chunk, features), start=start):
-                loss = self.backward(self.sequences[i].token_ids, a, f, count,
-                                     sync=k == len(items) - 1)
+                loss, seq_hits = self.backward(self.sequences[i].token_ids, a, f, count,
+                                               sync=k == len(items) - 1)
                 total, tokens = total + loss / count, tokens + len(a) * self.cfg.block_size
-        total, tokens = all_sum([total, tokens], self.world, self.cfg.device)
+                hits += seq_hits
+        total, tokens, *hit_sums = all_sum([total, tokens, *hits.tolist()], self.world,
+                                           self.cfg.device)
+        # Set aside rather than returned: callers unpack (loss, tokens).
+        blocks = max(1, tokens // self.cfg.block_size)
+        self.step_accuracy = [h / blocks for h in hit_sums]
         return total, int(tokens)
 
     def apply_gradients(self) -> None:
@@ -445,17 +464,18 @@ class Trainer:
     def backward(
         self, token_ids: list[int], anchors: torch.Tensor, features: torch.Tensor, count: int,
         sync: bool,
-    ) -> float:
+    ) -> tuple[float, torch.Tensor]:
         """Backward of one sequence's loss, scaled so that the gradients summed over the step's
-        sequences (DDP averages them over the ranks) are their mean; returns the loss. sync:
-        the last backward of the step on this rank, which all-reduces the gradients."""
+        sequences (DDP averages them over the ranks) are their mean; returns the loss and its
+        position_hits. sync: the last backward of the step on this rank, which all-reduces the
+        gradients."""
         bf16 = self.cfg.autocast == "bf16"
         with syncing(self.model, sync):
             # fp32 master weights: autocast runs the matmuls in bf16, the weights stay fp32.
             with torch.autocast(torch.device(self.cfg.device).type, torch.bfloat16, enabled=bf16):
-                loss = self.model(token_ids, anchors, features)
+                loss, hits = self.model(token_ids, anchors, features)
             (loss / (count / self.world.size)).backward()
-        return loss.item()
+        return loss.item(), hits
 
     def evaluate(self) -> float:
         return mean_acceptance_length(
@@ -477,16 +497,21 @@ class Trainer:
         )
         if self.world.is_main:
             print(f"epoch {epoch}: {json.dumps(self.history[-1])}", flush=True)
+        if self.board is not None and tau is not None:
+            self.board.add_acceptance_length(self.step, tau)
 
     def run(self) -> dict:
         bar = progress_bar(self.total_steps, initial=self.step, desc="train",
                            disable=not self.world.is_main)
         start, step_seconds, tokens = time.time(), 0.0, 0
         while self.step < self.total_steps:
-            step_start = time.time()
+            step_start, lr = time.time(), self.scheduler.get_last_lr()[0]  # the step's lr
             loss, n = self.train_step(self.step)
-            step_seconds += time.time() - step_start
+            seconds = time.time() - step_start
+            step_seconds += seconds
             self.step += 1
+            if self.board is not None:
+                self.board.add_step(self.step, loss, lr, n / seconds, self.step_accuracy)
             self.losses.append(loss)
             tokens += n
             bar.set_postfix_str(
@@ -506,7 +531,9 @@ class Trainer:
     def finish(self, seconds: float) -> dict:
         if self.world.is_main:
             drafter = copy.deepcopy(self.drafter).to(resolve_dtype(self.cfg.save_dtype))
-            save_drafter(drafter, self.out)
+            save_drafter(drafter, self.out, schema=self.cfg.save_format, verifier=self.cfg.target)
+        if self.board is not None:
+            self.board.close()
         return {
             "sequences": self.total_sequences,
             "sequence_tokens": self.total_tokens,
@@ -552,7 +579,8 @@ class Trainer:
 
 
 def train(cfg: TrainConfig) -> dict | None:
-    """Train a drafter for cfg.target, save it in z-lab format to cfg.out; returns the stats.
+    """Train a drafter for cfg.target, save it to cfg.out in the cfg.save_format schema; returns
+    the stats.
 
     Under torchrun every rank runs this; rank 0 saves and returns the stats, the others None.
     """
