@@ -54,16 +54,12 @@ def tiny_demo() -> Demo:
     return Demo(TINY_PAIR / "target", TINY_PAIR / "drafter", json.loads(first)["prompt"], 7)
 
 
-def spec_counters(llm) -> tuple[float, float]:
-    """vLLM's spec-decode counters: drafts and accepted draft tokens."""
-    m = {metric.name: metric for metric in llm.get_metrics()}
-    return m["vllm:spec_decode_num_drafts"].value, m["vllm:spec_decode_num_accepted_tokens"].value
-
-
 def timed_answer(demo: Demo, max_tokens: int, speculate: bool) -> dict:
     """One engine's greedy answer, after a warm-up, with its tokens/s (and, speculating, its
     mean acceptance length); the engine is freed before this returns."""
     from vllm import LLM, SamplingParams
+
+    from vllm_dflash.bench.counters import from_llm_metrics
 
     speculative_config = {"method": "dflash", "model": str(demo.drafter),
                           "num_speculative_tokens": demo.num_speculative_tokens}
@@ -72,15 +68,15 @@ def timed_answer(demo: Demo, max_tokens: int, speculate: bool) -> dict:
               speculative_config=speculative_config if speculate else None)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     llm.generate([demo.prompt], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
-    before = spec_counters(llm) if speculate else None
+    before = from_llm_metrics(llm.get_metrics())
     start = time.perf_counter()
     out = llm.generate([demo.prompt], params, use_tqdm=False)[0].outputs[0]
     seconds = time.perf_counter() - start
     result = {"text": out.text, "token_ids": list(out.token_ids),
               "tokens_per_s": len(out.token_ids) / seconds}
     if speculate:
-        drafts, accepted = (now - then for now, then in zip(spec_counters(llm), before))
-        result["acceptance_length"] = 1 + accepted / max(drafts, 1)
+        spec = from_llm_metrics(llm.get_metrics()).minus(before)
+        result["acceptance_length"] = 1 + spec.accepted / max(spec.drafts, 1)
     del llm
     return result
 

@@ -17,11 +17,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def counters(llm) -> tuple[float, float]:
-    m = {metric.name: metric for metric in llm.get_metrics()}
-    return m["vllm:spec_decode_num_drafts"].value, m["vllm:spec_decode_num_accepted_tokens"].value
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", type=Path, required=True,
@@ -32,6 +27,8 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
+    from vllm_dflash.bench.counters import SpecCounters, from_llm_metrics
+
     records = [json.loads(line) for line in (args.pair / "heldout.jsonl").read_text().splitlines()]
     by_category = defaultdict(list)
     for record in records:
@@ -41,15 +38,15 @@ def main() -> None:
               speculative_config={"method": "dflash", "model": str(args.pair / "drafter"),
                                   "num_speculative_tokens": args.num_speculative_tokens})
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    rows, total = [], [0.0, 0.0, 0]
+    rows, total, total_tokens = [], SpecCounters(), 0
     for category, prompts in by_category.items():
-        before = counters(llm)
+        before = from_llm_metrics(llm.get_metrics())
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        drafts, accepted = (now - then for now, then in zip(counters(llm), before))
+        spec = from_llm_metrics(llm.get_metrics()).minus(before)
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        rows.append((category, len(prompts), tokens, 1 + accepted / drafts))
-        total = [total[0] + drafts, total[1] + accepted, total[2] + tokens]
-    rows.append(("all", len(records), total[2], 1 + total[1] / total[0]))
+        rows.append((category, len(prompts), tokens, 1 + spec.accepted / spec.drafts))
+        total, total_tokens = total.plus(spec), total_tokens + tokens
+    rows.append(("all", len(records), total_tokens, 1 + total.accepted / total.drafts))
     print(f"K = {args.num_speculative_tokens}, greedy, at most {args.max_tokens} tokens\n")
     print("| category | prompts | tokens | mean acceptance length |\n| --- | --- | --- | --- |")
     for category, count, tokens, tau in rows:
