@@ -145,7 +145,7 @@ def test_acceptance_model_measures_conditional_rates():
     model = AcceptanceModel(max_draft=3)
     # Position 1 accepted 3 of 4 times; position 2 (reached 3 times) accepted once.
     model.observe([("a", 3, 0), ("b", 3, 1), ("c", 3, 1), ("d", 1, 1)] * 100)
-    rates = model.rates()
+    rates, _ = model.posterior()
     assert rates[0] == pytest.approx(0.75, abs=0.02)
     assert rates[1] == pytest.approx(0.0, abs=0.05)
     expected = model.expected_accepted(["a", "b"])
@@ -198,6 +198,59 @@ def test_cost_model_separates_the_cost_of_draft_tokens():
         assert unprofiled(n, 0) == pytest.approx(plain, rel=0.25)
 
 
+# Start-up profiles the engine logged on the 2-core CPU VM (fp32, eager, max_num_seqs 32,
+# K = 7; ms): the tiny test pair and the SmolLM2-135M chat pair (tests/test_smollm2_pair.py).
+TINY_PAIR = StepProfile([1, 2, 4, 8, 16, 32, 64, 128, 256],
+                        [0.00515, 0.00524, 0.00621, 0.00621, 0.00713, 0.00876, 0.01189, 0.01796,
+                         0.02731],
+                        [1, 2, 4, 8, 16, 32], [0.00096, 0.00117, 0.00163, 0.00236, 0.00428, 0.00683])
+SMOLLM2_PAIR = StepProfile([1, 2, 4, 8, 16, 32, 64, 128, 256],
+                           [0.03308, 0.03688, 0.03688, 0.03688, 0.04556, 0.0684, 0.12804, 0.22979,
+                            0.46663],
+                           [1, 2, 4, 8, 16, 32],
+                           [0.00656, 0.01065, 0.01377, 0.02397, 0.04628, 0.14929])
+
+
+@pytest.mark.parametrize("profile_", [TINY_PAIR, SMOLLM2_PAIR], ids=["tiny", "smollm2"])
+def test_first_step_at_concurrency_1_drafts_the_full_block(profile_):
+    # One request: the full block costs the target little more than one token, so even an
+    # unproven drafter is worth it.
+    first = DraftPolicy(7, profile_).plan(["a"])
+    assert first.lengths == [7] and first.num_draft == 7
+
+
+def test_first_steps_of_a_full_batch_on_the_real_pair_draft_little():
+    # 32 requests on the SmolLM2 profile: 7 drafts a request cost the target 7x a plain step;
+    # before any draft is verified the policy does not bet on them.
+    requests = [f"r{i}" for i in range(32)]
+    first = DraftPolicy(7, SMOLLM2_PAIR).plan(requests)
+    assert max(first.lengths) <= 1
+
+
+def test_a_weak_drafter_at_high_concurrency_stays_short_or_off():
+    # Mean acceptance length 1.5 at K = 7 (each position accepted 1 time in 3) on the real
+    # pair's profile at 16 requests: no length pays, and after the first measurements only
+    # explorations draft.
+    acceptance = {f"r{i}": 0.33 for i in range(16)}
+    policy = DraftPolicy(7, SMOLLM2_PAIR)
+    history = run_steps(policy, acceptance, steps=200)
+    # At most the one exploring request drafts the full block in the first steps.
+    assert all(sorted(lengths)[-2] <= 1 for lengths in history[:8])
+    late = history[50:]
+    assert sum(map(sum, late)) <= 7 * (len(late) // EXPLORE_INTERVAL + 1)
+
+
+def test_a_strong_drafter_at_high_concurrency_reaches_the_full_block_within_a_few_steps():
+    # The tiny pair's profile at 16 requests, each position accepted 19 times in 20: the
+    # policy starts short and drafts the full block once the first drafts are verified.
+    acceptance = {f"r{i}": 0.95 for i in range(16)}
+    history = run_steps(DraftPolicy(7, TINY_PAIR), acceptance, steps=40)
+    assert max(history[0]) < 7
+    full = next(i for i, lengths in enumerate(history) if min(lengths) == 7)
+    assert full <= 12
+    assert all(min(lengths) == 7 for lengths in history[full:] if max(lengths) > 0)
+
+
 def test_no_drafting_when_verifying_costs_more_than_it_saves():
     # Every query token costs the same and nothing is accepted: drafts only add cost.
     policy = DraftPolicy(7, profile(0.0, 0.001))
@@ -248,7 +301,7 @@ def test_explorations_grow_rarer_while_drafting_stays_off():
 
 
 def test_exploration_prepares_full_drafts_the_step_before():
-    policy = DraftPolicy(7, profile(0.0, 0.001))
+    policy = DraftPolicy(7, profile(0.005, 0.0001))
     run_steps(policy, {"a": 0.0, "b": 0.0}, steps=3 * EXPLORE_INTERVAL)
     plans = [policy.plan(["a", "b"]) for _ in range(policy.explore_interval)]
     exploring = [i for i, plan in enumerate(plans) if max(plan.lengths) > 0]
@@ -256,6 +309,15 @@ def test_exploration_prepares_full_drafts_the_step_before():
     i = exploring[0]
     assert max(plans[i].lengths) == 7 and sorted(plans[i].lengths) == [0, 7]
     assert plans[i - 1].num_draft == 7  # the drafter ran with the full block the step before
+
+
+def test_no_exploration_where_even_perfect_drafts_would_not_pay():
+    # Every query token costs the same and nothing else does: verifying a draft token costs
+    # what the token it may save does, so no acceptance makes drafting pay.
+    policy = DraftPolicy(7, profile(0.0, 0.001))
+    history = run_steps(policy, {"a": 0.0, "b": 0.0}, steps=300)
+    assert not policy.drafting and not policy.exploring
+    assert all(lengths == [0, 0] for lengths in history[50:])
 
 
 def test_requests_with_poor_acceptance_draft_less():
@@ -293,25 +355,30 @@ def choice_steps(policy: DraftPolicy, acceptance: dict[str, float], steps: int,
 
 def test_a_repeated_choice_holds_twice_as_long_up_to_max_hold(monkeypatch):
     policy = DraftPolicy(7, profile(0.010, 0.0001))  # drafting pays
-    made = choice_steps(policy, {"a": 0.9, "b": 0.9}, 1 + 4 + 8 + 16 + 3 * MAX_HOLD,
+    made = choice_steps(policy, {"a": 0.9, "b": 0.9}, 4 + 2 + 4 + 8 + 16 + 3 * MAX_HOLD,
                         monkeypatch)
     assert policy.drafting
-    assert np.diff(made).tolist() == [4, 8, 16, MAX_HOLD, MAX_HOLD, MAX_HOLD]
+    # Each step chooses until the first drafts outweigh the prior (3 steps of 2 drafts).
+    assert np.diff(made).tolist() == [1, 1, 1, 2, 4, 8, 16, MAX_HOLD, MAX_HOLD, MAX_HOLD]
 
 
-def test_while_drafting_is_off_the_choice_is_made_once_per_exploration_or_less(monkeypatch):
-    policy = DraftPolicy(7, profile(0.0, 0.001))
-    made = choice_steps(policy, {"a": 0.0, "b": 0.0}, 400, monkeypatch)
+def test_while_drafting_is_off_the_choice_is_made_once_per_exploration(monkeypatch):
+    policy = DraftPolicy(7, profile(0.005, 0.0001))
+    made = choice_steps(policy, {"a": 0.0, "b": 0.0}, 600, monkeypatch)
     assert not policy.drafting
-    # Once off, choices come EXPLORE_INTERVAL steps apart or more, and in the end MAX_HOLD.
+    # Once off, the policy chooses right after each exploring step, and explorations grow
+    # rarer up to MAX_EXPLORE_INTERVAL steps apart.
     gaps = np.diff(made).tolist()
     first_off = next(i for i, gap in enumerate(gaps) if gap >= EXPLORE_INTERVAL)
-    assert min(gaps[first_off:]) >= EXPLORE_INTERVAL
-    assert gaps[-3:] == [MAX_HOLD] * 3
+    assert gaps[first_off + 1:] == sorted(gaps[first_off + 1:])
+    assert gaps[-2:] == [MAX_EXPLORE_INTERVAL] * 2
+    explored = [step for step in range(policy.steps) if
+                (step - 2) % MAX_EXPLORE_INTERVAL == 0 and step > made[-3]]
+    assert [step + 1 for step in explored] == made[-len(explored):]
 
 
 def test_drafter_skipped_when_no_request_drafts():
-    policy = DraftPolicy(7, profile(0.0, 0.001))
+    policy = DraftPolicy(7, profile(0.005, 0.0001))
     run_steps(policy, {"a": 0.0}, steps=40)
     interval = policy.explore_interval
     plans = [policy.plan(["a"]) for _ in range(interval)]

@@ -30,10 +30,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Prior conditional acceptance per position before anything is measured, and its weight in
-# pseudo-drafts: speculation starts on, and a few dozen measured drafts outweigh the prior.
-PRIOR_ACCEPTANCE = 0.75
-PRIOR_WEIGHT = 8.0
+# Acceptance before anything is measured: position 1 of a modest drafter, held as a Beta prior
+# worth PRIOR_WEIGHT drafts; position i > 1 takes position i-1's estimate as its prior, since
+# conditional acceptance changes slowly along a block. A strong drafter proves itself within a
+# few steps; a weak one costs little while it does.
+PRIOR_ACCEPTANCE = 0.5
+PRIOR_WEIGHT = 4.0
+# Decisions read each position's rate OPTIMISM posterior standard deviations above its mean:
+# where a longer draft costs little (a memory-bound step) the optimism buys measurements, where
+# it costs much (a compute-bound batch) it cannot outweigh the cost and the mean decides.
+OPTIMISM = 0.5
 # Per-draft decay of the engine's counts (memory of ~200 drafts) and of a request's own counts
 # (memory of ~30 drafts): traffic changes, and requests change character within a response.
 GLOBAL_DECAY = 0.995
@@ -47,10 +53,12 @@ COST_DECAY = 0.995
 # no flapping between settings step to step when the two are close.
 SWITCH_MARGIN = 0.03
 # While no request drafts the full block, one request in turn drafts it every EXPLORE_INTERVAL
-# steps: acceptance at every position stays measured, so a policy that stopped drafting (or
-# drafts short) sees when drafting deeper would pay again. Costs one drafter run and K extra
-# tokens per interval.
+# steps, the first time at step EXPLORE_FIRST_STEP: acceptance at every position stays
+# measured, so a policy that starts without drafting, stopped or drafts short sees when drafting
+# deeper would pay. Costs one drafter run and K extra tokens per interval, and is skipped where
+# even a drafter accepted at every position would not pay (DraftPolicy.could_pay).
 EXPLORE_INTERVAL = 16
+EXPLORE_FIRST_STEP = 2
 # While drafting stays off, each choice that keeps it off doubles that interval, up to this:
 # an exploration needs a drafter run for the whole batch, a cost that buys nothing while the
 # drafts do not pay. Drafting again (even short) brings the interval back to EXPLORE_INTERVAL.
@@ -221,9 +229,22 @@ class AcceptanceModel:
             self.requests[req_id] = (REQUEST_DECAY * old_reached + r,
                                      REQUEST_DECAY * old_accepted + accepted)
 
+    def posterior(self) -> tuple[np.ndarray, np.ndarray]:
+        """[max_draft] mean and standard deviation of each position's conditional acceptance
+        (Beta posteriors, each position's prior the estimate of the one before)."""
+        mean, std = np.empty(len(self.reached)), np.empty(len(self.reached))
+        prior = PRIOR_ACCEPTANCE
+        for i, (reached, accepted) in enumerate(zip(self.reached, self.accepted)):
+            weight = reached + PRIOR_WEIGHT
+            mean[i] = prior = (accepted + prior * PRIOR_WEIGHT) / weight
+            std[i] = np.sqrt(mean[i] * (1 - mean[i]) / (weight + 1))
+        return mean, std
+
     def rates(self) -> np.ndarray:
-        """[max_draft] conditional acceptance per position, shrunk towards the prior."""
-        return (self.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (self.reached + PRIOR_WEIGHT)
+        """[max_draft] conditional acceptance per position as decisions read it: the posterior
+        mean, raised by OPTIMISM standard deviations."""
+        mean, std = self.posterior()
+        return np.minimum(mean + OPTIMISM * std, 1.0)
 
     def expected_accepted(self, req_ids: list[str]) -> np.ndarray:
         """[n, max_draft + 1]: E_r(k) for k = 0..max_draft."""
@@ -287,6 +308,7 @@ class DraftPolicy:
         self.cost = StepCostModel(profile)
         self.drafting = True
         self.explore_interval = EXPLORE_INTERVAL
+        self.exploring = True
         self.steps = 0
         self.chosen: _Choice | None = None
         self.pending_drafts: list[tuple[str, int, int]] = []
@@ -319,24 +341,35 @@ class DraftPolicy:
         num_draft = int(lengths.max())
         if self.drafting and self.steps % PROBE_INTERVAL == 0:
             lengths[:], num_draft = 0, 0  # a plain step: the fit's measure without drafts
-        elif num_draft < max_draft:
-            interval = self.explore_interval  # a power of 2: its phases stay aligned
-            phase = self.steps % interval
-            if phase == interval - 1:
-                num_draft = max_draft  # full drafts ready for the exploring step
-            elif phase == 0:
-                lengths[(self.steps // interval) % len(req_ids)] = max_draft
+        elif num_draft < max_draft and self.exploring:
+            if self.acceptance.reached[0] < PRIOR_WEIGHT:
+                # Until the first drafts outweigh the prior, one request in turn explores at
+                # every step, and the drafter runs for the next: a strong drafter is found
+                # within a few steps of a burst's start.
+                if self.steps >= EXPLORE_FIRST_STEP:
+                    lengths[self.steps % len(req_ids)] = max_draft
+                num_draft = max_draft
+            else:
+                interval = self.explore_interval  # a power of 2: its phases stay aligned
+                phase = (self.steps - EXPLORE_FIRST_STEP) % interval
+                if phase == interval - 1:
+                    num_draft = max_draft  # full drafts ready for the exploring step
+                elif phase == 0:
+                    lengths[(self.steps // interval) % len(req_ids)] = max_draft
         self.report.add(lengths, num_draft > 0)
         return Plan(lengths.tolist(), num_draft)
 
     def _hold(self, last: _Choice | None, lengths: np.ndarray) -> int:
         """How many steps a new choice of lengths holds."""
-        # While drafting is off, nothing but measurements can turn it on, and exploring steps
-        # bring the next ones EXPLORE_INTERVAL steps apart or more: choose that often at most.
-        base = REPLAN_INTERVAL if self.drafting else EXPLORE_INTERVAL
+        if self.acceptance.reached[0] < PRIOR_WEIGHT:
+            return 1  # the first verified drafts outweigh the prior: choose again at once
+        if not self.drafting:
+            # Nothing but an exploration's measurements can turn drafting on: choose again
+            # right after the next exploring step.
+            return (EXPLORE_FIRST_STEP - self.steps) % self.explore_interval + 1
         if last is not None and last.uniform and (lengths == last.lengths[0]).all():
-            return min(2 * last.hold, max(base, MAX_HOLD))
-        return base
+            return min(2 * last.hold, max(REPLAN_INTERVAL, MAX_HOLD))
+        return REPLAN_INTERVAL
 
     def choose(self, req_ids: list[str]) -> np.ndarray:
         """[n] draft lengths that maximise predicted tokens per second."""
@@ -354,6 +387,7 @@ class DraftPolicy:
         if per_request_rate > on * (1.0 + SWITCH_MARGIN):
             lengths, on = per_request, per_request_rate
         off = rates[0]
+        self.exploring = self.could_pay(n, off)
         if self.drafting:  # stop only when plain decoding is clearly faster, and vice versa
             self.drafting = not off > on * (1.0 + SWITCH_MARGIN)
         else:
@@ -361,6 +395,13 @@ class DraftPolicy:
             self.explore_interval = (EXPLORE_INTERVAL if self.drafting else
                                      min(2 * self.explore_interval, MAX_EXPLORE_INTERVAL))
         return lengths if self.drafting else np.zeros(n, dtype=lengths.dtype)
+
+    def could_pay(self, n: int, off_rate: float) -> bool:
+        """Whether drafting at some level would beat plain decoding for n requests if every
+        draft were accepted: if not, exploring cannot find a length that pays."""
+        ideal = n * (1 + self.levels[1:]) / self.cost.predict(
+            n * (1 + self.levels[1:]), n * self.levels[1:], n, np.ones(len(self.levels) - 1))
+        return bool(ideal.max() > off_rate)
 
     def _per_request(self, expected: np.ndarray) -> tuple[np.ndarray, float]:
         """The best drafting plan with a level per request, and its predicted tokens/s."""

@@ -297,16 +297,17 @@ class DraftRunner:
                     len(graphs.sizes), graphs.sizes[-1], time.perf_counter() - start)
 
     @torch.inference_mode()
-    def profile_step_costs(self, target_dummy_run: Callable[[int], Any], max_reqs: int,
-                           max_tokens: int) -> StepProfile:
-        """Start-up profile for the draft-length policy: the target's forward pass at 1, 2, 4,
-        ... query tokens (the runner's own dummy runs, CUDA graphs included, drafter excluded)
-        and the drafter at 1, 2, 4, ... requests. A shape slower than PROFILE_STOP_S ends its
-        series; the policy extrapolates from the last two points."""
+    def profile_step_costs(self, runner: Any, max_reqs: int, max_tokens: int) -> StepProfile:
+        """Start-up profile for the draft-length policy: the target's step at 1, 2, 4, ...
+        query tokens (target_step: the runner's own dummy runs, CUDA graphs included, drafter
+        excluded, and the verification's logits) and the drafter at 1, 2, 4, ... requests. A
+        shape slower than PROFILE_STOP_S ends its series; the policy extrapolates from the last
+        two points."""
         max_tokens = min(max_tokens, max_reqs * self.block_len)
         self.dummy_runs_draft = False
         try:
-            tokens, target_s = _time_series(max_tokens, target_dummy_run, self.device)
+            tokens, target_s = _time_series(max_tokens, lambda t: target_step(runner, t),
+                                            self.device)
         finally:
             self.dummy_runs_draft = True
         batch_sizes, drafter_s = _time_series(
@@ -314,6 +315,16 @@ class DraftRunner:
             lambda n: self.draft_tokens(*self.dummy_draft_inputs(n), self.num_speculative_tokens),
             self.device)
         return StepProfile(tokens, target_s, batch_sizes, drafter_s)
+
+
+def target_step(runner: Any, num_tokens: int) -> None:
+    """The target's work in a step of num_tokens query tokens: the forward pass (the runner's
+    dummy run, which returns the hidden states of every token first) and the logits and greedy
+    token of every row. Verification computes logits at each draft position, so a draft token
+    costs the target's lm_head too: a fifth of a small model's weights."""
+    hidden_states = runner._dummy_run(num_tokens)[0]
+    if isinstance(hidden_states, torch.Tensor):  # not on a pipeline stage before the last
+        runner.model.compute_logits(hidden_states).argmax(dim=-1)
 
 
 def _time_series(

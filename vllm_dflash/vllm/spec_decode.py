@@ -164,7 +164,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         self.draft_runner.dummy_run(num_tokens, sampling=self._enable_probabilistic_draft_probs)
 
     def profile_step_costs(self, runner: Any) -> StepProfile:
-        return self.draft_runner.profile_step_costs(runner._dummy_run, runner.max_num_reqs,
+        return self.draft_runner.profile_step_costs(runner, runner.max_num_reqs,
                                                     runner.max_num_tokens)
 
 

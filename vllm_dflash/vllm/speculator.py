@@ -161,5 +161,5 @@ class DFlashSpeculator(DraftModelSpeculator):
         return self.draft_runner.logits(hidden_states)
 
     def profile_step_costs(self, runner: Any) -> StepProfile:
-        return self.draft_runner.profile_step_costs(runner._dummy_run, runner.max_num_reqs,
+        return self.draft_runner.profile_step_costs(runner, runner.max_num_reqs,
                                                     runner.max_num_tokens)
