@@ -279,19 +279,62 @@ def run_python(code: str, *args: str, **env: str) -> list[dict]:
     return results
 
 
-def counted_as_vllm(per_prompt: list[list[int]], max_new_tokens: int) -> float:
+def counted_as_vllm(per_prompt: list[list[int]], max_new_tokens: int | list[int]) -> float:
     """Mean tokens per block as vLLM counts them: every verified block whole (vLLM truncates to
     max_tokens after counting), one block per step that starts before max_tokens output
-    tokens."""
+    tokens (one budget for all prompts, or one per prompt)."""
+    budgets = (max_new_tokens if isinstance(max_new_tokens, list)
+               else [max_new_tokens] * len(per_prompt))
     counted = []
-    for lengths in per_prompt:
+    for lengths, budget in zip(per_prompt, budgets, strict=True):
         num_output = 1  # the token sampled at prefill
         for produced in lengths:
-            if num_output >= max_new_tokens:
+            if num_output >= budget:
                 break
             counted.append(produced)
             num_output += produced
     return sum(counted) / len(counted)
+
+
+def own_loop_acceptance(pair: Pair, prompt_ids: list[list[int]],
+                        max_new_tokens: int | list[int], num_speculative_tokens: int) -> float:
+    """Mean acceptance length of this package's pure-torch loop (train/evaluate.py) with blocks
+    of num_speculative_tokens + 1, as vLLM drafts them, counted as vLLM counts (budgets: one
+    for all prompts or one per prompt)."""
+    from dataclasses import replace
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm_dflash.checkpoint import load_drafter
+    from vllm_dflash.train.evaluate import speculative_greedy
+
+    target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
+    drafter = load_drafter(pair.drafter, torch.float32).eval()
+    drafter.cfg = replace(drafter.cfg, block_size=num_speculative_tokens + 1)
+    budgets = (max_new_tokens if isinstance(max_new_tokens, list)
+               else [max_new_tokens] * len(prompt_ids))
+    with torch.no_grad():
+        per_prompt = [speculative_greedy(drafter, target, ids, budget + pair.block_size)[1]
+                      for ids, budget in zip(prompt_ids, budgets, strict=True)]
+    return counted_as_vllm(per_prompt, budgets)
+
+
+def acceptance_of(llm, run: Callable):
+    """run() on llm, and the mean acceptance length of the drafts it verified (from vLLM's
+    counters before and after: the engine must be the one built last)."""
+    from vllm_dflash.bench.counters import from_llm_metrics
+
+    before = from_llm_metrics(llm.get_metrics())
+    result = run()
+    counters = from_llm_metrics(llm.get_metrics()).minus(before)
+    assert counters.drafts > 0, "no drafts were verified"
+    return result, 1 + counters.accepted / counters.drafts
+
+
+def engine_counter(llm, name: str) -> float:
+    """A vLLM counter's value (e.g. "vllm:num_preemptions"), from the engine built last."""
+    return sum(m.value for m in llm.get_metrics() if m.name == name)
 
 
 def reference_acceptance(pair: Pair, prompt_ids: list[list[int]], max_new_tokens: int) -> float:
