@@ -11,7 +11,7 @@ import pytest
 
 from tests.engines import MAX_MODEL_LEN
 from vllm_dflash.bench.counters import SpecCounters, acceptance, from_prometheus
-from vllm_dflash.bench.prompts import requests_for
+from vllm_dflash.bench.prompts import load_prompts, requests_for
 from vllm_dflash.bench.report import compare_to_baseline, median_of_repeats, paired_ratios
 from vllm_dflash.cli import main
 
@@ -129,6 +129,17 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="2"} 0.0
     assert acceptance(counters.minus(SpecCounters(2.0, 6.0, 4.0, [2.0, 2.0]))) == {
         "mean_acceptance_length": 2.0, "acceptance_per_position": [1.0, 0.0, 0.0]}
     assert acceptance(SpecCounters())["mean_acceptance_length"] is None
+
+
+def test_chat_prompts_are_rendered_with_the_target_template(trained_pair, tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "system", "content": "Be brief."},
+                                             {"role": "user", "content": "def add("}]}) + "\n"
+                    + json.dumps({"prompt": "import os"}) + "\n")
+    assert load_prompts(path, chat_target=str(trained_pair.target)) == [
+        "system: Be brief.\nuser: def add(\nassistant: ", "user: import os\nassistant: "]
+    assert load_prompts(path, limit=1, chat_target=str(trained_pair.target))[0].startswith(
+        "system: ")
 
 
 def test_requests_fill_the_concurrency():

@@ -41,7 +41,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--target", required=True, help="target model dir or hub id")
     p.add_argument("--draft", required=True, help="DFlash drafter dir or hub id")
-    p.add_argument("--prompts", required=True, help='JSONL of {"prompt": "..."} lines')
+    p.add_argument("--prompts", required=True,
+                   help='JSONL of {"prompt": "..."} lines, or of {"messages": [...]} with --chat')
+    p.add_argument("--chat", action="store_true",
+                   help="render each line's messages (or prompt, as one user turn) with the "
+                        "target's chat template, as a chat client's requests reach the model")
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64],
                    help="comma-separated concurrencies (default: 1,4,16,64)")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
@@ -78,7 +82,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> None:
     check_methods(args.methods)
     gpu = gpu_name()
-    prompts = load_prompts(args.prompts, args.num_prompts)
+    prompts = load_prompts(args.prompts, args.num_prompts,
+                           args.target if args.chat else None)
     base = {
         "mode": "server" if args.server else "offline",
         "target": args.target, "draft": args.draft, "max_tokens": args.max_tokens,
@@ -91,7 +96,7 @@ def run(args: argparse.Namespace) -> None:
     }
     out = Path(args.out)
     results = run_all(base, prompts, args.concurrency, args.methods, out, args.repeats)
-    meta = base | {"prompts": args.prompts, "num_prompts": len(prompts),
+    meta = base | {"prompts": args.prompts, "chat": args.chat, "num_prompts": len(prompts),
                    "concurrency": args.concurrency, "methods": args.methods, "gpu": gpu,
                    "repeats": args.repeats, "cpu_count": os.cpu_count(),
                    "machine": platform.platform()}
