@@ -1,7 +1,7 @@
 """vllm-dflash inside real vLLM engines (CPU build, in-process, eager), on the committed
 trained pair: lossless greedy output, acceptance equal to a reference wherever a feature could
-change what the drafter sees (smaller K, stops inside a block, prefix-cache hits, chunked
-prefill with a small KV cache), the start-up log line, sampling and metrics.
+change what the drafter sees (smaller K, stops inside a block, prefix-cache hits, preemption
+and chunked prefill), the start-up log line, sampling and metrics.
 
 Greedy output equals no speculation for any drafter; acceptance is what shows the drafter got
 the right context. The reference is this package's pure-torch loop with blocks of K + 1
@@ -12,7 +12,8 @@ more (scripts/mutation_check.py).
 
 Engines are expensive (~5 s each after `import vllm`), so each configuration is built once per
 module and shared by the tests that use it. The engine built last is the one whose metrics
-vLLM's get_metrics() reads: engines built inside a test come after those of the fixtures.
+vLLM's get_metrics() reads, and freeing an in-process engine tears down state the shared ones
+use: tests that build their own engine come last and use the shared ones before they do.
 """
 
 import itertools
@@ -29,12 +30,14 @@ from tests.engines import (
     engine_counter,
     generate_ids,
     heldout_ids,
+    heldout_prompts,
     own_loop_acceptance,
     plain_llm,
     spec_metrics,
 )
 
 MAX_NEW_TOKENS = 40
+LONG_NEW_TOKENS = 120  # every request grows past one 128-token page
 TOLERANCE = 0.05
 K = TRAINED.block_size - 1
 # KV pages of 32 tokens, not the CPU default 128: with 128-token pages vLLM 0.32 finds no
@@ -181,6 +184,26 @@ def test_top_k_1_sampling_equals_greedy(full_block, prompts):
     assert [list(o.outputs[0].token_ids) for o in top1] == greedy
 
 
+def test_preemption_and_chunked_prefill_keep_output_and_acceptance(baseline, full_block):
+    # 8 KV pages of 128 tokens for 16 requests that each grow past one: the scheduler preempts
+    # and recomputes; a 64-token step budget chunks the prompts, mixed with other requests'
+    # drafts. The drafter's context pages are rewritten on recompute: acceptance stays that of
+    # the same requests run with room to spare.
+    prompts = heldout_prompts()
+    plain = generate_ids(baseline, prompts, max_tokens=LONG_NEW_TOKENS)
+    want, want_acceptance = acceptance_of(
+        full_block, partial(generate_ids, full_block, prompts, max_tokens=LONG_NEW_TOKENS))
+    llm = dflash_llm(TRAINED, K, num_gpu_blocks_override=8, max_num_batched_tokens=64)
+    try:
+        got, acceptance = acceptance_of(
+            llm, partial(generate_ids, llm, prompts, max_tokens=LONG_NEW_TOKENS))
+        assert engine_counter(llm, "vllm:num_preemptions") > 0
+    finally:
+        del llm
+    assert got == want == plain
+    assert abs(acceptance - want_acceptance) <= TOLERANCE, (acceptance, want_acceptance)
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_smaller_k_equals_no_speculation_and_acceptance_equals_reference(
         baseline, full_block_run, prompts, prompt_ids, k):
@@ -196,24 +219,6 @@ def test_smaller_k_equals_no_speculation_and_acceptance_equals_reference(
     reference = own_loop_acceptance(TRAINED, prompt_ids, MAX_NEW_TOKENS, k)
     assert reference >= 1.5
     assert abs(acceptance - reference) <= TOLERANCE, (acceptance, reference)
-
-
-def test_chunked_prefill_and_a_small_kv_cache_keep_output_and_acceptance(full_block_run,
-                                                                           prompts):
-    # A 64-token step budget splits the long prompts into chunks, mixed with other requests'
-    # drafts; 15 pages (480 tokens) for 12 requests needing ~1,700 hold most of them waiting.
-    # Acceptance stays that of the same workload run at once. (vLLM 0.32 reserves pages for
-    # running requests' growth: this does not preempt, nor did any smaller cache tried.)
-    want, want_acceptance = full_block_run
-    llm = dflash_llm(TRAINED, K, block_size=PAGE, num_gpu_blocks_override=15, max_model_len=448,
-                     max_num_batched_tokens=64)
-    try:
-        got, acceptance = acceptance_of(
-            llm, partial(generate_ids, llm, prompts, max_tokens=MAX_NEW_TOKENS))
-    finally:
-        del llm
-    assert got == want
-    assert abs(acceptance - want_acceptance) <= TOLERANCE, (acceptance, want_acceptance)
 
 
 def _params(**kwargs):
