@@ -91,6 +91,8 @@ def test_target_is_smollm2_135m_instruct(pair):
     heldout = [json.loads(line) for line in pair.heldout.read_text().splitlines()]
     assert len(heldout) == len(load_heldout())
     assert all(r["prompt"].endswith("<|im_start|>assistant\n") for r in heldout)
+    # The categories in turn: any first N prompts (bench --num-prompts N) mix them.
+    assert len({r["category"] for r in heldout[:5]}) == 5
 
 
 def test_tokenizer_encodes_as_the_gguf_one(pair):

@@ -8,6 +8,7 @@ in transformers, vLLM and training; bf16 would round them to another model.
 
 import filecmp
 import importlib.util
+import itertools
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,16 +122,26 @@ def convert_target(out: Path) -> Path:
 
 def write_heldout(out: Path) -> Path:
     """The held-out prompts, each also rendered with the target's chat template as "prompt"
-    (the form `vllm-dflash bench --prompts` reads)."""
+    (the form `vllm-dflash bench --prompts` reads), the categories in turn: the first N lines
+    (`bench --num-prompts N`) mix them."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(out.parent / "target")
-    records = load_heldout(HELDOUT_FILE)
+    records = interleaved(load_heldout(HELDOUT_FILE))
     for record in records:
         record["prompt"] = tokenizer.apply_chat_template(
             record["messages"], tokenize=False, add_generation_prompt=True
         )
     return write_jsonl(records, out)
+
+
+def interleaved(records: list[dict]) -> list[dict]:
+    """records reordered round-robin over their categories (each category's order kept)."""
+    by_category: dict[str, list[dict]] = {}
+    for record in records:
+        by_category.setdefault(record["category"], []).append(record)
+    rounds = itertools.zip_longest(*by_category.values())
+    return [record for round_ in rounds for record in round_ if record is not None]
 
 
 def build_pair(out: str | Path, train_prompts: int = 0, seed: int = 0) -> PairResult:
