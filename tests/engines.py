@@ -84,10 +84,8 @@ def _llm(model: Path, **kwargs):
     from vllm import LLM
 
     kwargs.setdefault("max_model_len", MAX_MODEL_LEN)
-    return LLM(
-        model=str(model), enforce_eager=True, dtype="float32", seed=0,
-        disable_log_stats=False, **kwargs,
-    )
+    kwargs.setdefault("dtype", "float32")
+    return LLM(model=str(model), enforce_eager=True, seed=0, disable_log_stats=False, **kwargs)
 
 
 def plain_llm(target: Path, **kwargs):

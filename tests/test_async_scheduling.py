@@ -6,7 +6,9 @@ override, so that the CPU runner runs the V1 runner's async code (inherited from
 runner, with its streams and events as no-ops) with vllm-dflash's proposer: greedy output
 equals no speculation with a fixed K and with adaptive lengths (a good drafter and a useless
 one that the policy switches off), with structured outputs, preemption and chunked prefill,
-and seeded sampling is reproducible."""
+and seeded sampling is reproducible. With a fixed K, acceptance equals the same engine's
+without async scheduling (within 0.05 tokens per block, as tests/test_vllm_e2e.py argues):
+the drafter must see the same context when its inputs stay on the device."""
 
 import itertools
 import os
@@ -77,13 +79,25 @@ def long_outputs(llm, prompts: list[dict]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
+def sync_acceptance(prompts) -> float:
+    """Acceptance of the same workload, K fixed, on an engine without async scheduling."""
+    llm = dflash_llm(TRAINED, K, max_num_seqs=16)
+    try:
+        outputs(llm, prompts)
+        m = spec_metrics(llm)
+    finally:
+        del llm
+    return 1 + m["accepted"] / m["drafts"]
+
+
+@pytest.fixture(scope="module")
 def baseline(prompts):
     return plain_run(TRAINED.target, max_num_seqs=16,
                      run=lambda llm: outputs(llm, prompts) | {"long": long_outputs(llm, prompts)})
 
 
 @pytest.mark.parametrize("draft_length", ["fixed", "adaptive"], indirect=True)
-def test_greedy_equals_no_speculation(draft_length, baseline, prompts):
+def test_greedy_equals_no_speculation(draft_length, baseline, sync_acceptance, prompts):
     llm = async_llm(TRAINED)
     try:
         got = outputs(llm, prompts)
@@ -91,9 +105,11 @@ def test_greedy_equals_no_speculation(draft_length, baseline, prompts):
     finally:
         del llm
     assert got == {k: baseline[k] for k in got}
-    assert m["drafts"] > 0 and 1 + m["accepted"] / m["drafts"] >= 2.5, m
+    acceptance = 1 + m["accepted"] / m["drafts"]
+    assert m["drafts"] > 0 and acceptance >= 2.5, m
     if draft_length == "fixed":
         assert m["draft_tokens"] == K * m["drafts"]
+        assert abs(acceptance - sync_acceptance) <= 0.05, (acceptance, sync_acceptance)
     per_pos = m["accepted_per_pos"]
     assert all(a >= b for a, b in itertools.pairwise(per_pos)), per_pos
 

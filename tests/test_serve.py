@@ -54,10 +54,10 @@ class Server:
                 time.sleep(2)
         raise TimeoutError(f"server not ready in {START_TIMEOUT_S} s: {self.log.name}")
 
-    def post(self, path: str, body: dict) -> bytes:
+    def post(self, path: str, body: dict, headers: dict | None = None) -> bytes:
         request = urllib.request.Request(
             self.url + path, data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **(headers or {})},
         )
         with urllib.request.urlopen(request, timeout=120) as response:
             return response.read()

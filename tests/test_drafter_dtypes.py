@@ -1,0 +1,48 @@
+"""A bf16 engine (target and drafter in bf16, as a user on a CPU with AVX512-BF16 or on a GPU
+runs them) on the committed trained pair: greedy output equals the bf16 engine's without
+speculation, and the drafter is accepted about as well as in fp32.
+
+bf16 rounds the target's and the drafter's activations to 8 bits of mantissa, which flips
+near-tied drafts and target tokens alike, so acceptance matches the fp32 reference loosely
+(TOLERANCE); a drafter fed the wrong context, layer or position in bf16 would fall far below it
+(tests/test_vllm_e2e.py, scripts/mutation_check.py)."""
+
+from functools import partial
+
+import pytest
+
+from tests.engines import (
+    TRAINED,
+    acceptance_of,
+    dflash_llm,
+    generate_ids,
+    greedy_baseline,
+    heldout_ids,
+    own_loop_acceptance,
+)
+
+MAX_NEW_TOKENS = 48
+K = TRAINED.block_size - 1
+TOLERANCE = 0.3
+
+
+@pytest.fixture(scope="module")
+def prompt_ids() -> list[list[int]]:
+    return heldout_ids()
+
+
+def test_bf16_engine_is_lossless_and_accepted_as_fp32(prompt_ids):
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+    want = greedy_baseline(TRAINED.target, prompts, MAX_NEW_TOKENS, dtype="bfloat16")
+    llm = dflash_llm(TRAINED, K, dtype="bfloat16")
+    try:
+        dtypes = llm.collective_rpc(
+            lambda worker: str(worker.model_runner.drafter.draft_runner.drafter.fc.weight.dtype))
+        assert dtypes == ["torch.bfloat16"]
+        got, acceptance = acceptance_of(llm, partial(generate_ids, llm, prompts,
+                                                     max_tokens=MAX_NEW_TOKENS, ignore_eos=True))
+    finally:
+        del llm
+    assert got == want
+    reference = own_loop_acceptance(TRAINED, prompt_ids, MAX_NEW_TOKENS, K)
+    assert abs(acceptance - reference) <= TOLERANCE, (acceptance, reference)
