@@ -277,14 +277,18 @@ def run_python(code: str, *args: str, **env: str) -> list[dict]:
     return results
 
 
+def budgets_of(max_new_tokens: int | list[int], count: int) -> list[int]:
+    """One output budget per prompt: given per prompt, or one for all."""
+    return max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * count
+
+
 def counted_as_vllm(per_prompt: list[list[int]], max_new_tokens: int | list[int]) -> float:
     """Mean tokens per block as vLLM counts them: every verified block whole (vLLM truncates to
     max_tokens after counting), one block per step that starts before max_tokens output
     tokens (one budget for all prompts, or one per prompt)."""
-    budgets = (max_new_tokens if isinstance(max_new_tokens, list)
-               else [max_new_tokens] * len(per_prompt))
     counted = []
-    for lengths, budget in zip(per_prompt, budgets, strict=True):
+    for lengths, budget in zip(per_prompt, budgets_of(max_new_tokens, len(per_prompt)),
+                               strict=True):
         num_output = 1  # the token sampled at prefill
         for produced in lengths:
             if num_output >= budget:
@@ -310,8 +314,7 @@ def own_loop_acceptance(pair: Pair, prompt_ids: list[list[int]],
     target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
     drafter = load_drafter(pair.drafter, torch.float32).eval()
     drafter.cfg = replace(drafter.cfg, block_size=num_speculative_tokens + 1)
-    budgets = (max_new_tokens if isinstance(max_new_tokens, list)
-               else [max_new_tokens] * len(prompt_ids))
+    budgets = budgets_of(max_new_tokens, len(prompt_ids))
     with torch.no_grad():
         per_prompt = [speculative_greedy(drafter, target, ids, budget + pair.block_size)[1]
                       for ids, budget in zip(prompt_ids, budgets, strict=True)]

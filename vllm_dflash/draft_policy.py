@@ -240,6 +240,11 @@ class AcceptanceModel:
             std[i] = np.sqrt(mean[i] * (1 - mean[i]) / (weight + 1))
         return mean, std
 
+    @property
+    def unproven(self) -> bool:
+        """Fewer drafts verified than the prior is worth: the estimates are mostly prior."""
+        return bool(self.reached[0] < PRIOR_WEIGHT)
+
     def rates(self) -> np.ndarray:
         """[max_draft] conditional acceptance per position as decisions read it: the posterior
         mean, raised by OPTIMISM standard deviations."""
@@ -342,7 +347,7 @@ class DraftPolicy:
         if self.drafting and self.steps % PROBE_INTERVAL == 0:
             lengths[:], num_draft = 0, 0  # a plain step: the fit's measure without drafts
         elif num_draft < max_draft and self.exploring:
-            if self.acceptance.reached[0] < PRIOR_WEIGHT:
+            if self.acceptance.unproven:
                 # Until the first drafts outweigh the prior, one request in turn explores at
                 # every step, and the drafter runs for the next: a strong drafter is found
                 # within a few steps of a burst's start.
@@ -361,14 +366,14 @@ class DraftPolicy:
 
     def _hold(self, last: _Choice | None, lengths: np.ndarray) -> int:
         """How many steps a new choice of lengths holds."""
-        if self.acceptance.reached[0] < PRIOR_WEIGHT:
-            return 1  # the first verified drafts outweigh the prior: choose again at once
+        if self.acceptance.unproven:
+            return 1  # each verified draft still moves the estimates: choose again at once
         if not self.drafting:
             # Nothing but an exploration's measurements can turn drafting on: choose again
             # right after the next exploring step.
             return (EXPLORE_FIRST_STEP - self.steps) % self.explore_interval + 1
         if last is not None and last.uniform and (lengths == last.lengths[0]).all():
-            return min(2 * last.hold, max(REPLAN_INTERVAL, MAX_HOLD))
+            return min(2 * last.hold, MAX_HOLD)
         return REPLAN_INTERVAL
 
     def choose(self, req_ids: list[str]) -> np.ndarray:

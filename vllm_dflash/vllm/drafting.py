@@ -297,13 +297,14 @@ class DraftRunner:
                     len(graphs.sizes), graphs.sizes[-1], time.perf_counter() - start)
 
     @torch.inference_mode()
-    def profile_step_costs(self, runner: Any, max_reqs: int, max_tokens: int) -> StepProfile:
+    def profile_step_costs(self, runner: Any) -> StepProfile:
         """Start-up profile for the draft-length policy: the target's step at 1, 2, 4, ...
         query tokens (target_step: the runner's own dummy runs, CUDA graphs included, drafter
         excluded, and the verification's logits) and the drafter at 1, 2, 4, ... requests. A
         shape slower than PROFILE_STOP_S ends its series; the policy extrapolates from the last
         two points."""
-        max_tokens = min(max_tokens, max_reqs * self.block_len)
+        max_reqs = runner.max_num_reqs
+        max_tokens = min(runner.max_num_tokens, max_reqs * self.block_len)
         self.dummy_runs_draft = False
         try:
             tokens, target_s = _time_series(max_tokens, lambda t: target_step(runner, t),

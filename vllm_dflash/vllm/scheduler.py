@@ -66,7 +66,7 @@ def _profile_step_costs(worker):  # runs in every worker, through collective_rpc
     runner = worker.model_runner
     # The V1 runner's proposer, or Model Runner V2's speculator.
     drafter = runner.speculator if hasattr(runner, "speculator") else runner.drafter
-    return drafter.profile_step_costs(runner)
+    return drafter.draft_runner.profile_step_costs(runner)
 
 
 def _ms(seconds: list[float]) -> list[float]:

@@ -12,7 +12,6 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
-from vllm_dflash.draft_policy import StepProfile
 from vllm_dflash.draft_sampling import draft_sampling
 from vllm_dflash.kernels.draft_attention import DraftBatch, draft_attention_path
 from vllm_dflash.vllm.config import (
@@ -162,10 +161,6 @@ class DFlashProposer(SpecDecodeBaseProposer):
                 and not torch.cuda.is_current_stream_capturing()):
             self.draft_runner.capture_draft_graphs()
         self.draft_runner.dummy_run(num_tokens, sampling=self._enable_probabilistic_draft_probs)
-
-    def profile_step_costs(self, runner: Any) -> StepProfile:
-        return self.draft_runner.profile_step_costs(runner, runner.max_num_reqs,
-                                                    runner.max_num_tokens)
 
 
 SUPPORTED_RUNNERS = ("GPUModelRunner (V1)", "CPUModelRunner")

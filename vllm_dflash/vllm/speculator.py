@@ -21,7 +21,6 @@ from torch import nn
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
-from vllm_dflash.draft_policy import StepProfile
 from vllm_dflash.kernels.draft_attention import DraftBatch, draft_attention_path
 from vllm_dflash.vllm.config import validate_speculative_config
 from vllm_dflash.vllm.drafting import DraftRunner, target_layer_ids_for_vllm, warn_about_setup
@@ -159,7 +158,3 @@ class DFlashSpeculator(DraftModelSpeculator):
     def compute_draft_logits(self, hidden_states: torch.Tensor,
                              spec_step_idx: int) -> torch.Tensor:
         return self.draft_runner.logits(hidden_states)
-
-    def profile_step_costs(self, runner: Any) -> StepProfile:
-        return self.draft_runner.profile_step_costs(runner, runner.max_num_reqs,
-                                                    runner.max_num_tokens)
