@@ -1,10 +1,10 @@
-"""A bf16 engine (target and drafter in bf16, as a user on a CPU with AVX512-BF16 or on a GPU
-runs them) on the committed trained pair: greedy output equals the bf16 engine's without
-speculation, and the drafter is accepted about as well as in fp32.
+"""bf16 and fp16 engines (target and drafter in that dtype, as a user on a CPU with AVX512-BF16
+or on a GPU runs them) on the committed trained pair: greedy output equals the same-dtype
+engine's without speculation, and the drafter is accepted about as well as in fp32.
 
-bf16 rounds the target's and the drafter's activations to 8 bits of mantissa, which flips
-near-tied drafts and target tokens alike, so acceptance matches the fp32 reference loosely
-(TOLERANCE); a drafter fed the wrong context, layer or position in bf16 would fall far below it
+bf16 rounds the target's and the drafter's activations to 8 bits of mantissa (fp16 to 11),
+which flips near-tied drafts and target tokens alike, so acceptance matches the fp32 reference
+loosely (TOLERANCE); a drafter fed the wrong context, layer or position in bf16 would fall far below it
 (tests/test_vllm_e2e.py, scripts/mutation_check.py)."""
 
 from functools import partial
@@ -31,14 +31,15 @@ def prompt_ids() -> list[list[int]]:
     return heldout_ids()
 
 
-def test_bf16_engine_is_lossless_and_accepted_as_fp32(prompt_ids):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_engine_is_lossless_and_accepted_as_fp32(prompt_ids, dtype):
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
-    want = greedy_baseline(TRAINED.target, prompts, MAX_NEW_TOKENS, dtype="bfloat16")
-    llm = dflash_llm(TRAINED, K, dtype="bfloat16")
+    want = greedy_baseline(TRAINED.target, prompts, MAX_NEW_TOKENS, dtype=dtype)
+    llm = dflash_llm(TRAINED, K, dtype=dtype)
     try:
         dtypes = llm.collective_rpc(
             lambda worker: str(worker.model_runner.drafter.draft_runner.drafter.fc.weight.dtype))
-        assert dtypes == ["torch.bfloat16"]
+        assert dtypes == [f"torch.{dtype}"]
         got, acceptance = acceptance_of(llm, partial(generate_ids, llm, prompts,
                                                      max_tokens=MAX_NEW_TOKENS, ignore_eos=True))
     finally:

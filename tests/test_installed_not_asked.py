@@ -13,24 +13,19 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from tests.engines import TRAINED, run_python
+from tests.engines import TRAINED, TRAINED_DFLASH2, run_python
 
 UNKNOWN_VERSION = "0.99.0"
 # Called by vLLM only with speculation: a plain engine in the same process does not need it.
 MISSING_HOOK = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_input_fits_in_drafter")
 
 CASE = """
-import json, os, sys, types
+import json, os, sys
 case = json.loads(sys.argv[1])
 if case.get("mrv2"):  # Model Runner V2 on this CPU: every Triton kernel interpreted
-    os.environ["TRITON_INTERPRET"] = "1"
-    from triton.backends import backends
+    from tests.mrv2_cpu import enable
 
-    class _Driver:
-        def is_active(self):
-            return True
-
-    backends.setdefault("cpu", types.SimpleNamespace(driver=_Driver(), compiler=None))
+    enable()
 env_before = dict(os.environ)
 import importlib
 import logging
@@ -72,12 +67,15 @@ def error_of(make):
     return ""
 
 
+sampled_dflash2 = dflash | {"model": case["dflash2"], "draft_sample_method": "probabilistic"}
+configs = {"plain": {}, "dflash": {"speculative_config": dflash},
+           "sampled_dflash2": {"speculative_config": sampled_dflash2},
+           "lora_dflash": {"speculative_config": dflash, "enable_lora": True}}
 result = {}
 for name in case.get("configs", []):  # which runner each engine would get
-    spec = None if name == "plain" else dflash
     try:
-        config = EngineArgs(model=target, speculative_config=spec, max_model_len=256,
-                            enforce_eager=True).create_engine_config()
+        config = EngineArgs(model=target, max_model_len=256, enforce_eager=True,
+                            **configs[name]).create_engine_config()
         result["v2_" + name] = config.use_v2_model_runner
     except Exception as err:
         result["v2_" + name] = f"{type(err).__name__}: {err}"
@@ -112,7 +110,8 @@ def without_plugin() -> str:
 
 
 def run_case(env: dict | None = None, **case) -> dict:
-    case |= {"target": str(TRAINED.target), "drafter": str(TRAINED.drafter)}
+    case |= {"target": str(TRAINED.target), "drafter": str(TRAINED.drafter),
+             "dflash2": str(TRAINED_DFLASH2.drafter)}
     return run_python(CASE, json.dumps(case), VLLM_DFLASH_DRAFT_LENGTH="fixed",
                       **(env or {}))[0]
 
@@ -120,7 +119,8 @@ def run_case(env: dict | None = None, **case) -> dict:
 @pytest.fixture(scope="module")
 def on_mrv2_cpu():
     """Plain engines and runner choices with and without the plugin, Model Runner V2 usable."""
-    case = {"mrv2": True, "configs": ["plain", "dflash"], "engines": ["plain"]}
+    case = {"mrv2": True, "configs": ["plain", "dflash", "sampled_dflash2", "lora_dflash"],
+            "engines": ["plain"]}
     return {
         "with": run_case(**case),
         "without": run_case(env={"VLLM_PLUGINS": without_plugin()}, **case),
@@ -143,14 +143,23 @@ def test_plain_engine_is_untouched_by_the_plugin(on_mrv2_cpu):
     assert with_plugin["engine_lines"] == []
 
 
-def test_dflash_engine_alone_takes_the_v1_runner(on_mrv2_cpu):
-    # vLLM alone runs its in-tree DFlash on Model Runner V2; by default vllm-dflash's engine
-    # takes V1 (its MRV2 speculator drafts greedy only) and says why, through vLLM's own
-    # runner choice.
+def test_dflash_engine_takes_the_runner_vllm_would(on_mrv2_cpu):
+    # Where vLLM alone runs its in-tree DFlash on Model Runner V2 (its default where Triton
+    # runs), vllm-dflash's engine runs there too.
     assert on_mrv2_cpu["without"]["v2_dflash"] is True
-    assert on_mrv2_cpu["with"]["v2_dflash"] is False
-    lines = on_mrv2_cpu["with"]["config_lines"]
-    assert any("Model Runner V2 does not yet support vllm-dflash" in line for line in lines), lines
+    assert on_mrv2_cpu["with"]["v2_dflash"] is True
+
+
+def test_what_mrv2_lacks_takes_the_v1_runner_saying_why(on_mrv2_cpu):
+    # Sampled drafts of a DFlash2 drafter, and LoRA with speculation, run on V1 only: vLLM's
+    # own runner choice says so.
+    result = on_mrv2_cpu["with"]
+    assert result["v2_sampled_dflash2"] is False and result["v2_lora_dflash"] is False
+    lines = result["config_lines"]
+    assert any("Model Runner V2 does not yet support vllm-dflash's sampled drafts" in line
+               for line in lines), lines
+    assert any("Model Runner V2 does not yet support LoRA with vllm-dflash" in line
+               for line in lines), lines
 
 
 def test_vllm_use_v2_model_runner_is_respected(on_mrv2_cpu):

@@ -4,11 +4,11 @@ tokens, chunked prefill with prefix-cache hits, preemption); seeded sampling
 is reproducible; acceptance equals the V1 runner's and vLLM's in-tree MRV2 DFlash's on the same
 drafter; drafts sampled from the drafter's distribution (`draft_sample_method:
 "probabilistic"`) draw what vLLM's in-tree MRV2 DFlash draws; DFlash2 and LiLiCorr drafters;
-adaptive draft lengths. Behaviour only: interpreted
-kernels say nothing of speed.
+adaptive draft lengths; prompts given as embeddings, logit bias and grammars (greedy output
+equal, the same drafts accepted). Behaviour only: interpreted kernels say nothing of speed.
 
 MRV2 needs Triton, so each engine group runs in a fresh interpreter that registers a stand-in
-"cpu" Triton backend before vLLM is imported (MRV2_PRELUDE).
+"cpu" Triton backend before vLLM is imported (tests/mrv2_cpu.py).
 """
 
 import json
@@ -31,45 +31,13 @@ K = 7
 MAX_TOKENS = 24
 LONG_TOKENS = 96
 PROBABILISTIC = {"draft_sample_method": "probabilistic"}
+PROMPT_EMBEDS = {"enable_prompt_embeds": True}
 
-MRV2_PRELUDE = """
-import os, types
-os.environ["TRITON_INTERPRET"] = "1"
-from triton.backends import backends
+RUNS = """
+import json, logging, os, sys
+from tests.mrv2_cpu import enable
 
-
-class _Driver:
-    def is_active(self):
-        return True
-
-
-backends.setdefault("cpu", types.SimpleNamespace(driver=_Driver(), compiler=None))
-
-# The interpreter's masked store takes bool masks only, but `mask & is_valid` of two int1
-# values comes out int32 there (vLLM's gumbel_sample caching draft logits does that).
-import numpy as np
-from triton.runtime import interpreter
-
-_masked_store = interpreter.InterpreterBuilder.create_masked_store
-
-
-def _bool_masked_store(self, ptrs, value, mask, cache_policy):
-    mask = interpreter.TensorHandle(mask.data.astype(np.bool_), mask.dtype)
-    return _masked_store(self, ptrs, value, mask, cache_policy)
-
-
-interpreter.InterpreterBuilder.create_masked_store = _bool_masked_store
-
-# libdevice functions have no interpreter implementation (they return None there); MRV2's
-# rejection sampler resamples with log1p when drafts carry their logits.
-import triton.language as tl
-from triton.language.extra import libdevice
-
-libdevice.log1p = lambda x: tl.log(1.0 + x)
-"""
-
-RUNS = MRV2_PRELUDE + """
-import json, logging, sys
+enable()  # before vLLM is imported
 from tests.engines import (dflash_llm, generate_ids, plain_llm, seeded_and_greedy_twice,
                            spec_metrics, Pair)
 import vllm.logger  # its logging set-up resets the handlers of vLLM's child loggers
@@ -93,6 +61,43 @@ def runner(worker):
     return f"{cls.__module__}.{cls.__name__}"
 
 
+def measured(llm, make, speculative):  # make()'s result, and the drafts it verified
+    before = spec_metrics(llm)
+    result = make()
+    if not speculative:
+        return {"out": result}
+    after = spec_metrics(llm)
+    return {"out": result, **{k: after[k] - before[k] for k in ("drafts", "accepted")}}
+
+
+# Greedy outputs of prompts given as embeddings, with a logit bias and with a grammar, each
+# with the drafts it verified.
+def features(llm, case, speculative):
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+    from tests.test_prompt_embeds import as_embeds
+
+    ids = [p["prompt_token_ids"] for p in case["prompts"][:3]]
+    prompts = [{"prompt_token_ids": i} for i in ids]
+    greedy = SamplingParams(temperature=0.0, max_tokens=case["max_tokens"], ignore_eos=True)
+    bias = greedy.clone()
+    bias.logit_bias = {ids[0][-1]: 4.0, ids[1][-1]: 4.0}
+    printable = greedy.clone()
+    printable.structured_outputs = StructuredOutputsParams(regex=r"[ -~\\n]*")
+
+    def ids_of(prompts, params):
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
+                                                                   use_tqdm=False)]
+
+    runs = {
+        "embeds": lambda: ids_of(as_embeds(ids), greedy),
+        "tokens": lambda: ids_of(prompts, greedy),
+        "logit_bias": lambda: ids_of(prompts, bias),
+        "printable": lambda: ids_of(prompts, printable),
+    }
+    return {name: measured(llm, make, speculative) for name, make in runs.items()}
+
+
 results = {}
 for run in case["runs"]:
     saved_env = dict(os.environ)
@@ -106,7 +111,7 @@ for run in case["runs"]:
         llm = dflash_llm(pair, run.get("k", case["k"]), run.get("speculative"), **engine)
     out = {"runner": llm.collective_rpc(runner)[0]}
     prompts = case["prompts"]
-    if not run.get("long_only"):
+    if not run.get("skip_batch"):
         out["batch"] = generate_ids(llm, prompts, max_tokens=case["max_tokens"],
                                     ignore_eos=True)
         out["spec"] = spec_metrics(llm)  # of the batch alone: the workload compared
@@ -114,11 +119,12 @@ for run in case["runs"]:
         out["alone"] = [generate_ids(llm, [p], max_tokens=case["max_tokens"], ignore_eos=True)[0]
                         for p in prompts[:run["alone"]]]
     if run.get("seeded"):
-        before = spec_metrics(llm) if run["drafter"] else None
-        out["seeded"] = seeded_and_greedy_twice(llm, prompts, case["max_tokens"])
-        if before:
-            out["seeded_spec"] = {k: v - before[k] for k, v in spec_metrics(llm).items()
-                                  if k in ("drafts", "accepted")}
+        seeded = measured(llm, lambda: seeded_and_greedy_twice(llm, prompts, case["max_tokens"]),
+                          run["drafter"] is not None)
+        out["seeded"] = seeded.pop("out")
+        out["seeded_spec"] = seeded
+    if run.get("features"):
+        out["features"] = features(llm, case, run["drafter"] is not None)
     if run.get("long"):  # requests that outgrow a small KV cache
         out["long"] = generate_ids(llm, prompts, max_tokens=case["long_tokens"], ignore_eos=True)
     if run.get("twice"):  # the same prompts again: prefix-cache hits
@@ -138,8 +144,7 @@ print("RESULT " + json.dumps(results), flush=True)
 def mrv2_runs(runs: list[dict], prompts: list[dict], env: dict | None = None) -> dict:
     """The runs' results from one fresh interpreter with Model Runner V2 on this CPU."""
     case = {"target": str(TRAINED.target), "k": K, "max_tokens": MAX_TOKENS,
-            "long_tokens": LONG_TOKENS,
-            "prompts": prompts, "runs": runs}
+            "long_tokens": LONG_TOKENS, "prompts": prompts, "runs": runs}
     return run_python(RUNS, json.dumps(case), VLLM_DFLASH_DRAFT_LENGTH="fixed",
                       **(env or {}))[0]
 
@@ -157,12 +162,14 @@ def ours(prompts) -> dict:
     small_cache = {"block_size": 32, "num_gpu_blocks_override": 17,
                    "max_num_batched_tokens": 64}
     runs = [
-        {"name": "plain", "drafter": None, "alone": 2, "long": True},
-        {"name": "dflash", "drafter": str(TRAINED.drafter), "alone": 2, "seeded": True},
+        {"name": "plain", "drafter": None, "alone": 2, "long": True, "features": True,
+         "engine": PROMPT_EMBEDS},
+        {"name": "dflash", "drafter": str(TRAINED.drafter), "alone": 2, "seeded": True,
+         "features": True, "engine": PROMPT_EMBEDS},
         {"name": "chunked", "drafter": str(TRAINED.drafter), "twice": True,
          "engine": {"max_num_batched_tokens": 64, "enable_prefix_caching": True}},
         {"name": "preempted", "drafter": str(TRAINED.drafter), "engine": small_cache,
-         "long": True, "long_only": True},
+         "long": True, "skip_batch": True},
         {"name": "adaptive", "drafter": str(TRAINED.drafter),
          "env": {"VLLM_DFLASH_DRAFT_LENGTH": "adaptive"}},
         {"name": "probabilistic", "drafter": str(TRAINED.drafter), "seeded": True,
@@ -265,3 +272,21 @@ def test_sampled_drafts_are_lossless_and_draw_as_in_tree(ours, in_tree):
     # tokens per step on the V1 runner, README).
     assert mine["seeded_spec"]["accepted"] / mine["seeded_spec"]["drafts"] > (
         ours["dflash"]["seeded_spec"]["accepted"] / ours["dflash"]["seeded_spec"]["drafts"])
+
+
+def test_prompt_embeds_logit_bias_and_grammars_equal_no_speculation(ours):
+    plain, got = ours["plain"]["features"], ours["dflash"]["features"]
+    for name in plain:
+        assert got[name]["out"] == plain[name]["out"], name
+    # The premises: the bias changes the output; embeddings and the grammar do not.
+    tokens = plain["tokens"]["out"]
+    assert plain["logit_bias"]["out"] != tokens
+    assert plain["embeds"]["out"] == plain["printable"]["out"] == tokens
+
+
+def test_prompt_embeds_and_grammars_keep_the_drafts_accepted(ours):
+    # Embedding prompts draft as token prompts; a grammar the output meets cuts no draft the
+    # target would accept.
+    got = ours["dflash"]["features"]
+    assert got["embeds"]["accepted"] == got["printable"]["accepted"] == got["tokens"]["accepted"]
+    assert got["tokens"]["accepted"] > 2 * got["tokens"]["drafts"]

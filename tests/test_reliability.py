@@ -436,6 +436,25 @@ def test_structured_outputs_equal_no_speculation(baseline, dflash, prompts):
             assert all(text in choices for _, text, *_ in got[::2]), got
 
 
+def test_a_grammar_the_output_meets_keeps_every_accepted_draft(dflash, prompts):
+    # A grammar that admits all the target says here (printable ASCII) can only cut drafts the
+    # target rejects anyway: exactly the same tokens are accepted as without it.
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from vllm_dflash.bench.counters import from_llm_metrics
+
+    printable = StructuredOutputsParams(regex=r"[ -~\n]*")
+    runs = {}
+    for name, constraint in (("free", None), ("printable", printable)):
+        before = from_llm_metrics(dflash.get_metrics())
+        got = completions(dflash, prompts, params(temperature=0.0, max_tokens=32,
+                                                  structured_outputs=constraint))
+        runs[name] = got, from_llm_metrics(dflash.get_metrics()).minus(before)
+    assert runs["printable"][0] == runs["free"][0]  # the premise: the grammar cut nothing
+    assert runs["printable"][1].accepted == runs["free"][1].accepted
+    assert runs["free"][1].accepted > 2 * runs["free"][1].drafts  # drafts really accepted
+
+
 def block_stop_strings(dflash, prompt: dict, tokenizer) -> dict[str, str]:
     """Two-token pieces of a request's speculative output, each first seen where it straddles
     the boundary between two verified blocks ("across") or lies inside one ("inside")."""

@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dflash import checkpoint, speculators
-from vllm_dflash.config import DFlashConfig, DFlashConfigError, validate_against_target
+from vllm_dflash.config import (
+    DFLASH2,
+    LILICORR,
+    DFlashConfig,
+    DFlashConfigError,
+    validate_against_target,
+)
 from vllm_dflash.vllm import contract
 
 logger = logging.getLogger("vllm.vllm_dflash")  # inherits vLLM's log handler
@@ -24,10 +30,16 @@ IMPLEMENTATIONS = ("vllm-dflash", "vllm")
 DRAFT_LENGTH_ENV = "VLLM_DFLASH_DRAFT_LENGTH"
 # "adaptive": draft_policy.py picks 0..K draft tokens per request every step; "fixed": always K.
 DRAFT_LENGTHS = ("adaptive", "fixed")
-# Why a vllm-dflash engine runs on the V1 runner unless Model Runner V2 is asked for, as
-# vLLM's own start-up line prints it.
-V2_UNSUPPORTED = ("vllm-dflash's DFlash by default (its Model Runner V2 speculator drafts greedy "
-                  "only; VLLM_USE_V2_MODEL_RUNNER=1 runs it)")
+# What a vllm-dflash engine cannot do on Model Runner V2, as vLLM's own start-up line prints it
+# when it then picks the V1 runner. Drafts sampled by a DFlash2 or LiLiCorr drafter: their
+# drafts are a selector's walk, which MRV2's draft sampler cannot draw (the speculator drafts
+# them greedy). LoRA: vLLM 0.32's MRV2 maps adapters per request, not per verified token, and
+# its CPU LoRA logits fail on any speculator's verification rows (its in-tree DFlash's too).
+V2_UNSUPPORTED_SAMPLED_SELECTOR = (
+    "vllm-dflash's sampled drafts (draft_sample_method='probabilistic') of DFlash2 and LiLiCorr "
+    "drafters (VLLM_USE_V2_MODEL_RUNNER=1 runs them greedy)")
+V2_UNSUPPORTED_LORA = "LoRA with vllm-dflash's speculation"
+SELECTOR_ARCHITECTURES = {DFLASH2, LILICORR}
 
 
 class DFlashSetupError(RuntimeError):
@@ -114,17 +126,17 @@ def patch_config() -> None:
 
     SamplingParams._validate_spec_decode = validate_spec_decode
 
-    # The runner: vLLM picks Model Runner V2 unless it lists a feature V2 does not support.
-    # vllm-dflash's V1 proposer has every feature, its MRV2 speculator greedy drafts only, so a
-    # vllm-dflash engine lists itself unless VLLM_USE_V2_MODEL_RUNNER=1 asks for MRV2 (vLLM
-    # then logs "Model Runner V2 does not yet support ...; using the V1 model runner").
-    # Checked on 0.32.0 and 0.33.0.
+    # The runner: vLLM picks Model Runner V2 (where Triton runs, unless VLLM_USE_V2_MODEL_RUNNER
+    # says otherwise) when no feature of the engine is on its list of what V2 does not support.
+    # A vllm-dflash engine adds what its MRV2 speculator does not do, so it runs where vLLM
+    # would run it, and vLLM logs "Model Runner V2 does not yet support ...; using the V1
+    # model runner" otherwise. Checked on 0.32.0 and 0.33.0.
     v2_unsupported = VllmConfig._get_v2_model_runner_unsupported_features
 
     def get_v2_model_runner_unsupported_features(self) -> list[str]:
         unsupported = v2_unsupported(self)
-        if runs_vllm_dflash(self.speculative_config) and not _asks_for_model_runner_v2():
-            unsupported.append(V2_UNSUPPORTED)
+        if runs_vllm_dflash(self.speculative_config):
+            unsupported += speculator_unsupported(self)
         return unsupported
 
     VllmConfig._get_v2_model_runner_unsupported_features = get_v2_model_runner_unsupported_features
@@ -139,10 +151,16 @@ def patch_config() -> None:
         setattr(VllmConfig, name, _false_for_vllm_dflash(getattr(VllmConfig, name)))
 
 
-def _asks_for_model_runner_v2() -> bool:
-    from vllm import envs
-
-    return envs.VLLM_USE_V2_MODEL_RUNNER is True
+def speculator_unsupported(vllm_config: Any) -> list[str]:
+    """What of a vllm-dflash engine's VllmConfig does not run on Model Runner V2."""
+    spec = vllm_config.speculative_config
+    unsupported = []
+    architectures = set(spec.draft_model_config.architectures or [])
+    if spec.draft_sample_method == "probabilistic" and architectures & SELECTOR_ARCHITECTURES:
+        unsupported.append(V2_UNSUPPORTED_SAMPLED_SELECTOR)
+    if vllm_config.lora_config is not None:
+        unsupported.append(V2_UNSUPPORTED_LORA)
+    return unsupported
 
 
 def _false_for_vllm_dflash(check):
