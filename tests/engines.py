@@ -163,6 +163,27 @@ def alone_batched_structured(llm, prompts: list[dict], max_tokens: int,
     return {"alone": single, "batch": batch, "structured": structured}
 
 
+def keep_cpu_async_scheduling() -> Callable[[], None]:
+    """Keeps async_scheduling=True on vLLM's CPU platform for engines that ask for it (its
+    set-up turns it off); returns the function that undoes this."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    cpu_set_up = CpuPlatform.__dict__["check_and_update_config"]
+
+    def keep_async_scheduling(cls, vllm_config) -> None:
+        asked = vllm_config.scheduler_config.async_scheduling
+        cpu_set_up.__func__(cls, vllm_config)
+        if asked:
+            vllm_config.scheduler_config.async_scheduling = True
+
+    CpuPlatform.check_and_update_config = classmethod(keep_async_scheduling)
+
+    def undo() -> None:
+        CpuPlatform.check_and_update_config = cpu_set_up
+
+    return undo
+
+
 def plain_run(target: Path, run: Callable, **engine):
     """run(llm) on an engine without speculation (engine: LLM arguments); the engine is freed
     before this returns."""

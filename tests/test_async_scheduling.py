@@ -21,6 +21,7 @@ from tests.engines import (
     alone_batched_structured,
     dflash_llm,
     generate_ids,
+    keep_cpu_async_scheduling,
     plain_run,
     seeded_and_greedy_twice,
     spec_metrics,
@@ -33,20 +34,9 @@ K = 7
 
 @pytest.fixture(scope="module", autouse=True)
 def cpu_async_scheduling():
-    """Keeps async_scheduling=True on the CPU platform when an engine asks for it."""
-    from vllm.platforms.cpu import CpuPlatform
-
-    cpu_set_up = CpuPlatform.__dict__["check_and_update_config"]
-
-    def keep_async_scheduling(cls, vllm_config) -> None:
-        asked = vllm_config.scheduler_config.async_scheduling
-        cpu_set_up.__func__(cls, vllm_config)
-        if asked:
-            vllm_config.scheduler_config.async_scheduling = True
-
-    CpuPlatform.check_and_update_config = classmethod(keep_async_scheduling)
+    undo = keep_cpu_async_scheduling()
     yield
-    CpuPlatform.check_and_update_config = cpu_set_up
+    undo()
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@ tokens, chunked prefill with prefix-cache hits, preemption); seeded sampling
 is reproducible; acceptance equals the V1 runner's and vLLM's in-tree MRV2 DFlash's on the same
 drafter; drafts sampled from the drafter's distribution (`draft_sample_method:
 "probabilistic"`) draw what vLLM's in-tree MRV2 DFlash draws; DFlash2 and LiLiCorr drafters;
-adaptive draft lengths; prompts given as embeddings, logit bias and grammars (greedy output
-equal, the same drafts accepted). Behaviour only: interpreted kernels say nothing of speed.
+adaptive draft lengths; async scheduling (acceptance as the synchronous engine's); prompts
+given as embeddings, logit bias and grammars (greedy output equal, the same drafts accepted). Behaviour only: interpreted kernels say nothing of speed.
 
 MRV2 needs Triton, so each engine group runs in a fresh interpreter that registers a stand-in
 "cpu" Triton backend before vLLM is imported (tests/mrv2_cpu.py).
@@ -38,8 +38,8 @@ import json, logging, os, sys
 from tests.mrv2_cpu import enable
 
 enable()  # before vLLM is imported
-from tests.engines import (dflash_llm, generate_ids, plain_llm, seeded_and_greedy_twice,
-                           spec_metrics, Pair)
+from tests.engines import (dflash_llm, generate_ids, keep_cpu_async_scheduling, plain_llm,
+                           seeded_and_greedy_twice, spec_metrics, Pair)
 import vllm.logger  # its logging set-up resets the handlers of vLLM's child loggers
 
 lines = []
@@ -104,12 +104,14 @@ for run in case["runs"]:
     os.environ.update(run.get("env", {}))  # this run's only: restored after it
     lines.clear()
     engine = {"max_num_seqs": 4, **run.get("engine", {})}
+    undo_async = keep_cpu_async_scheduling() if engine.get("async_scheduling") else None
     if run["drafter"] is None:
         llm = plain_llm(case["target"], **engine)
     else:
         pair = Pair(target=case["target"], drafter=run["drafter"], block_size=case["k"] + 1)
         llm = dflash_llm(pair, run.get("k", case["k"]), run.get("speculative"), **engine)
-    out = {"runner": llm.collective_rpc(runner)[0]}
+    out = {"runner": llm.collective_rpc(runner)[0],
+           "async": llm.llm_engine.vllm_config.scheduler_config.async_scheduling}
     prompts = case["prompts"]
     if not run.get("skip_batch"):
         out["batch"] = generate_ids(llm, prompts, max_tokens=case["max_tokens"],
@@ -135,6 +137,8 @@ for run in case["runs"]:
     out["lines"] = [line for line in lines if "vllm-dflash" in line]
     results[run["name"]] = out
     del llm
+    if undo_async:
+        undo_async()
     os.environ.clear()
     os.environ.update(saved_env)
 print("RESULT " + json.dumps(results), flush=True)
@@ -176,6 +180,8 @@ def ours(prompts) -> dict:
          "speculative": PROBABILISTIC},
         {"name": "dflash2", "drafter": str(TRAINED_DFLASH2.drafter)},
         {"name": "lilicorr", "drafter": str(TRAINED_LILICORR.drafter)},
+        {"name": "async", "drafter": str(TRAINED.drafter), "alone": 2,
+         "engine": {"async_scheduling": True}},
     ]
     return mrv2_runs(runs, prompts, {"VLLM_USE_V2_MODEL_RUNNER": "1"})
 
@@ -290,3 +296,12 @@ def test_prompt_embeds_and_grammars_keep_the_drafts_accepted(ours):
     got = ours["dflash"]["features"]
     assert got["embeds"]["accepted"] == got["printable"]["accepted"] == got["tokens"]["accepted"]
     assert got["tokens"]["accepted"] > 2 * got["tokens"]["drafts"]
+
+
+def test_async_scheduling_on_mrv2_is_lossless_and_accepted_as_sync(ours):
+    # vLLM's CPU platform turns async scheduling off; the harness keeps it on, as on a GPU.
+    got, sync = ours["async"], ours["dflash"]
+    assert got["async"] is True and sync["async"] is False
+    assert got["batch"] == ours["plain"]["batch"] and got["alone"] == ours["plain"]["alone"]
+    assert abs(mean_acceptance_length(got["spec"]) - mean_acceptance_length(sync["spec"])) <= (
+        0.02), (got["spec"], sync["spec"])
