@@ -132,7 +132,7 @@ def test_hf_dataset_without_datasets_names_the_install(tokenizer, tmp_path, monk
 
 
 def test_hf_datasets_give_the_jsonl_examples(tokenizer, tmp_path):
-    datasets = pytest.importorskip("datasets")
+    import datasets  # installed with the test tools (scripts/install_cpu.sh)
     records = [{"messages": MESSAGES}, {"messages": MESSAGES[:2]}, {"messages": MESSAGES[:5]}]
     jsonl = tmp_path / "data.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))

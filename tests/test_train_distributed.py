@@ -87,18 +87,26 @@ def ddp_step(rank: int, port: int, argv: list[str], global_ids: list[list[int]],
         loss, tokens = trainer.accumulate(local, [anchors[held[j]] for j in local])
         grads = {n: p.grad.clone() for n, p in trainer.drafter.named_parameters()}
         trainer.apply_gradients()
+        decoder = trainer.target.get_decoder().parameters()
+        held_numel = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                         for p in decoder)
         torch.save({"held": held, "loss": loss, "tokens": tokens, "grads": grads,
-                    "weights": trainer.drafter.state_dict()}, Path(out_dir) / f"rank{rank}.pt")
+                    "weights": trainer.drafter.state_dict(), "decoder_numel": held_numel},
+                   Path(out_dir) / f"rank{rank}.pt")
     finally:
         leave_world(world)
 
 
-def test_ddp_step_equals_single_process_step(target_dir, tmp_path):
+@pytest.mark.parametrize("options", [[], ["--online-features", "--fsdp-target"]],
+                         ids=["ddp", "ddp-fsdp-target"])
+def test_ddp_step_equals_single_process_step(target_dir, tmp_path, options):
     """At the default learning rate: AdamW's first step is about lr * sign(grad), so the
     rounding of a gradient near its eps (summed in another order) moves a weight by up to about
-    4e-4 * lr (1.2e-6 at lr 3e-3)."""
+    4e-4 * lr (1.2e-6 at lr 3e-3). With --fsdp-target each rank holds half of the target's
+    decoder and computes its sequences' features by gathering it layer by layer; alone, the
+    option changes nothing."""
     argv = train_argv(target_dir, write_data(tmp_path / "data.jsonl", 7), tmp_path / "out",
-                      "--batch-size", "6")
+                      "--batch-size", "6", *options)
     single = Trainer(config_from_args(build_parser().parse_args(argv)))
     global_ids = [s.token_ids for s in single.sequences]
     # The global batch: 5 sequences, 3 on rank 0 and 2 on rank 1, one of them without blocks.
@@ -112,6 +120,9 @@ def test_ddp_step_equals_single_process_step(target_dir, tmp_path):
     mp.spawn(ddp_step, (free_port(), argv, global_ids, anchors, str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert [r["held"] for r in ranks] == [[0, 2, 4, 6], [1, 3, 5]]  # every 2nd record
+    whole = sum(p.numel() for p in single.target.get_decoder().parameters())
+    shares = [r["decoder_numel"] for r in ranks]
+    assert shares == ([whole // 2] * 2 if options else [whole] * 2), (shares, whole)
     for rank in ranks:
         assert rank["tokens"] == tokens == 4 * 6 * 8
         assert rank["loss"] == pytest.approx(loss, rel=1e-6)
@@ -213,6 +224,29 @@ def test_torchrun_resumes_after_a_kill_to_the_same_loss_curve(target_dir, tmp_pa
     weights = load_file(killed_out / "model.safetensors")
     for name, weight in load_file(straight_out / "model.safetensors").items():
         torch.testing.assert_close(weights[name], weight, rtol=0, atol=1e-6, msg=name)
+
+
+def test_fsdp_target_trains_as_a_whole_target_per_rank(target_dir, tmp_path):
+    """Uneven shards (3 and 2 sequences accumulated in one step) and an evaluation each epoch:
+    the sharded target's ranks run the same forwards (a stand-in where a rank has fewer
+    sequences; every rank evaluates), and the losses and acceptance are a whole target's."""
+    data_file = write_data(tmp_path / "data.jsonl", 7)
+    options = ["--online-features", "--batch-size", "2", "--grad-accum", "3", "--epochs", "2",
+               "--eval-prompts", "2"]
+    runs = {}
+    for name, extra in (("whole", []), ("sharded", ["--fsdp-target"])):
+        out = tmp_path / name
+        # The later --eval-prompts wins over train_argv's.
+        argv = train_argv(target_dir, data_file, out, *options, *extra)
+        runs[name] = finished(torchrun(argv)), torch.load(out / STATE_FILE)
+    log, state = runs["sharded"]
+    assert log.splitlines()[0] == "train: world size 2 (DDP, target FSDP over gloo), device cpu"
+    whole = runs["whole"][1]
+    assert state["step"] == whole["step"] == 2
+    assert state["losses"] == pytest.approx(whole["losses"], rel=1e-5)
+    assert [h["acceptance_length"] for h in state["history"]] == [
+        h["acceptance_length"] for h in whole["history"]]
+    assert all(h["acceptance_length"] is not None for h in state["history"])
 
 
 def test_a_drafter_two_ranks_trained_serves_losslessly(target_dir, tmp_path):

@@ -167,6 +167,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "all of them up front; no feature cache (for large targets, whose features would not "
         "fit in memory or on disk)",
     )
+    p.add_argument(
+        "--fsdp-target",
+        action="store_true",
+        help="with --online-features under torchrun: shard the target's weights over the ranks "
+        "(FSDP), each rank gathering one decoder layer at a time, for a target that does not "
+        "fit one device; the drafter stays data-parallel (DDP)",
+    )
     p.add_argument("--save-dtype", default=d.save_dtype, help="dtype of the saved drafter")
     p.add_argument(
         "--save-format",

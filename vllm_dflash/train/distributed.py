@@ -3,7 +3,8 @@
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Without them, or with
 WORLD_SIZE 1, the trainer runs alone: no process group, nothing wrapped, nothing reduced.
 Several ranks train one drafter data-parallel (DDP): each holds a copy, trains on its shard of
-the data, and the gradients are averaged over the ranks in every backward that syncs.
+the data, and the gradients are averaged over the ranks in every backward that syncs. With
+--fsdp-target the frozen target's decoder is sharded over the ranks (FSDP) instead of copied.
 """
 
 import os
@@ -64,6 +65,29 @@ def all_sum(values: list[float], world: World, device: str) -> list[float]:
     total = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(total)
     return total.tolist()
+
+
+def all_max(value: float, world: World, device: str) -> float:
+    """The largest of the ranks' values (value itself, alone)."""
+    if world.size == 1:
+        return value
+    largest = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return largest.item()
+
+
+def shard_decoder(target: torch.nn.Module) -> None:
+    """The target's decoder (the part the features come from) sharded over the ranks with
+    FSDP: each rank keeps 1/world size of every decoder layer, and a forward gathers one layer
+    at a time (and frees it after). Every rank must then run the same forwards."""
+    from torch.distributed.fsdp import fully_shard
+
+    decoder = target.get_decoder()
+    for layer in decoder.layers:
+        fully_shard(layer)
+    # The root's own weights (the embedding, the final norm) too: FSDP keeps a root's gathered
+    # after its forward unless told otherwise.
+    fully_shard(decoder, reshard_after_forward=True)
 
 
 def data_parallel(module: torch.nn.Module, world: World, device: str) -> torch.nn.Module:

@@ -7,7 +7,11 @@ target, the layer ids and the token ids; or, online, computed for each batch as 
 
 import hashlib
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -27,8 +31,9 @@ def target_features(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Features [T, K*H] of the layers layer_ids and the target's logits [T, V]."""
     ids = torch.tensor([token_ids], device=model.device)
-    out = model(input_ids=ids, output_hidden_states=True)
-    return layer_features(out.hidden_states, layer_ids), out.logits[0]
+    with recorded_layers(model, layer_ids) as outputs:
+        logits = model(input_ids=ids).logits
+    return layer_features(outputs, layer_ids), logits[0]
 
 
 @torch.no_grad()
@@ -37,9 +42,7 @@ def context_features(
 ) -> torch.Tensor:
     """Features [T, K*H] of the layers layer_ids, from the decoder alone: training needs no
     target logits, and the lm_head is a fifth of a small target's forward pass."""
-    ids = torch.tensor([token_ids], device=model.device)
-    out = model.get_decoder()(input_ids=ids, output_hidden_states=True)
-    return layer_features(out.hidden_states, layer_ids)
+    return batch_context_features(model, [token_ids], layer_ids)[0]
 
 
 @torch.no_grad()
@@ -54,16 +57,38 @@ def batch_context_features(
     for row, token_ids in enumerate(sequences):
         ids[row, : len(token_ids)] = torch.tensor(token_ids)
         mask[row, : len(token_ids)] = 1
-    out = model.get_decoder()(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                              output_hidden_states=True)
-    return [layer_features(out.hidden_states, layer_ids, row)[:n] for row, n in enumerate(lengths)]
+    with recorded_layers(model, layer_ids) as outputs:
+        model.get_decoder()(input_ids=ids.to(model.device), attention_mask=mask.to(model.device))
+    return [layer_features(outputs, layer_ids, row)[:n] for row, n in enumerate(lengths)]
 
 
-def layer_features(
-    hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int], row: int = 0
-) -> torch.Tensor:
-    """[T, K*H]: the outputs of decoder layers layer_ids of one row of a batch."""
-    return torch.cat([hidden_states[k + 1][row] for k in layer_ids], dim=-1)
+@contextmanager
+def recorded_layers(model: PreTrainedModel, layer_ids: list[int]
+                    ) -> Iterator[dict[int, torch.Tensor]]:
+    """Feature k of each id in layer_ids, from a forward run inside: `output_hidden_states[k +
+    1]` as transformers gives it, the output of decoder layer k, and for the last layer the
+    decoder's output after its final norm. Recorded by forward hooks: transformers' own
+    output_hidden_states records nothing once FSDP has wrapped the layers (--fsdp-target)."""
+    outputs: dict[int, torch.Tensor] = {}
+
+    def record(k: int, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        outputs[k] = output if isinstance(output, torch.Tensor) else output[0]
+
+    decoder = model.get_decoder()
+    last = len(decoder.layers) - 1
+    hooks = [(decoder if k == last else decoder.layers[k]).register_forward_hook(
+        partial(record, k)) for k in layer_ids]
+    try:
+        yield outputs
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def layer_features(outputs: dict[int, torch.Tensor], layer_ids: list[int], row: int = 0
+                   ) -> torch.Tensor:
+    """[T, K*H]: the recorded features of layer_ids, of one row of a batch."""
+    return torch.cat([outputs[k][row] for k in layer_ids], dim=-1)
 
 
 class FeatureStore:

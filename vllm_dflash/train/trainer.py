@@ -17,6 +17,7 @@ import math
 import os
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields, replace
 from itertools import islice
 from pathlib import Path
@@ -39,12 +40,14 @@ from vllm_dflash.train.data import Example, example_stream
 from vllm_dflash.train.distributed import (
     ALONE,
     World,
+    all_max,
     all_sum,
     backend,
     data_parallel,
     join_world,
     launched_size,
     leave_world,
+    shard_decoder,
     syncing,
 )
 from vllm_dflash.train.evaluate import mean_acceptance_length
@@ -97,6 +100,7 @@ class TrainConfig:
     autocast: str = "none"
     grad_accum: int = 1
     online_features: bool = False
+    fsdp_target: bool = False
     save_dtype: str = "bfloat16"
     save_format: str = "z-lab"
     tensorboard: str | None = None
@@ -125,6 +129,10 @@ class TrainConfig:
         if self.save_format == "speculators" and self.lilicorr:
             raise ValueError("the speculators schema cannot hold a LiLiCorr drafter; fix: drop "
                              "--save-format speculators (z-lab is the default) or --lilicorr")
+        if self.fsdp_target and not self.online_features:
+            raise ValueError("--fsdp-target shards the target for the features each batch "
+                             "computes; fix: add --online-features (a feature cache is computed "
+                             "by one whole target per rank)")
         if self.grad_accum < 1 or self.batch_size < 1:
             raise ValueError(f"--batch-size {self.batch_size} and --grad-accum "
                              f"{self.grad_accum} must be >= 1; fix: pass positive counts")
@@ -246,7 +254,8 @@ def split_examples(
     cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, world: World = ALONE
 ) -> tuple[list[Example], list[list[int]]]:
     """This rank's training examples (every world.size-th, from its rank on) and the held-out
-    eval prompts (from --eval-data, else the last examples; on rank 0 only, which evaluates).
+    eval prompts (from --eval-data, else the last examples; on rank 0 only, which evaluates,
+    or on every rank with --fsdp-target).
 
     One streamed pass over the data, tokenizing only the examples kept.
     """
@@ -266,7 +275,9 @@ def split_examples(
         kept = min(cfg.eval_prompts, count // 2)
         held_out = list(tail)[len(tail) - kept :]
         own = [(i, e) for i, e in own if i < count - kept]
-    eval_prompts = [make().prompt_ids for make in held_out] if world.is_main else []
+    # A target sharded over the ranks runs only when every rank runs it: all evaluate then.
+    evaluates = world.is_main or cfg.fsdp_target
+    eval_prompts = [make().prompt_ids for make in held_out] if evaluates else []
     return [e for _, e in own], eval_prompts
 
 
@@ -360,6 +371,10 @@ class Trainer:
             self.target.get_input_embeddings().weight.float(),
             self.target.get_output_embeddings().weight.float(),
         )
+        # The drafter reads the embedding and lm_head whole (above); the decoder may be sharded.
+        self.sharded_target = cfg.fsdp_target and world.size > 1
+        if self.sharded_target:
+            shard_decoder(self.target)
         draft_cfg = drafter_config(cfg, self.target, mask_token_id(cfg, tokenizer))
         self.layer_ids = draft_cfg.target_layer_ids
         self.features = None if cfg.online_features else self.compute_features()
@@ -406,6 +421,20 @@ class Trainer:
             return batch_context_features(self.target, token_ids, self.layer_ids)
         return [self.features.get(i).to(self.cfg.device) for i in indices]
 
+    def chunk_features(self, chunks: list[list[tuple[int, torch.Tensor]]]
+                       ) -> Iterable[list[torch.Tensor]]:
+        """The features of each chunk's sequences: one chunk at a time, or with a sharded
+        target all of them first. A forward of a sharded target gathers its layers from every
+        rank, so all ranks run as many (a stand-in where a rank has fewer sequences, in an
+        epoch's last step), before any DDP collective of the drafter's could come between."""
+        if not self.sharded_target:
+            return (self.features_of([i for i, _ in chunk]) for chunk in chunks)
+        most = int(all_max(len(chunks), self.world, self.cfg.device))
+        features = [self.features_of([i for i, _ in chunk]) for chunk in chunks]
+        for _ in range(most - len(chunks)):
+            self.features_of([chunks[0][0][0]])
+        return features
+
     def batch(self, step: int) -> list[int]:
         """This rank's sequence indices of a step (--grad-accum batches): a fresh permutation of
         its shard per epoch, a function of the seed."""
@@ -439,14 +468,15 @@ class Trainer:
             items = [(0, torch.empty(0, dtype=torch.long))]  # the rank still joins the sync
         total, tokens = 0.0, 0
         hits = torch.zeros(self.cfg.block_size - 1, device=self.cfg.device)
-        for start in range(0, len(items), self.local_batch):
-            chunk = items[start : start + self.local_batch]
-            features = self.features_of([i for i, _ in chunk])
-            for k, ((i, a), f) in enumerate(zip(chunk, features), start=start):
+        chunks = [items[s : s + self.local_batch] for s in range(0, len(items), self.local_batch)]
+        k = 0
+        for chunk, features in zip(chunks, self.chunk_features(chunks), strict=True):
+            for (i, a), f in zip(chunk, features, strict=True):
                 loss, seq_hits = self.backward(self.sequences[i].token_ids, a, f, count,
                                                sync=k == len(items) - 1)
                 total, tokens = total + loss / count, tokens + len(a) * self.cfg.block_size
                 hits += seq_hits
+                k += 1
         total, tokens, *hit_sums = all_sum([total, tokens, *hits.tolist()], self.world,
                                            self.cfg.device)
         # Set aside rather than returned: callers unpack (loss, tokens).
@@ -479,7 +509,8 @@ class Trainer:
 
     def evaluate(self) -> float:
         return mean_acceptance_length(
-            self.drafter, self.target, self.eval_prompts, self.cfg.eval_max_new_tokens
+            self.drafter, self.target, self.eval_prompts, self.cfg.eval_max_new_tokens,
+            self.frozen,
         )
 
     def end_epoch(self, seconds: float) -> None:
@@ -587,7 +618,8 @@ def train(cfg: TrainConfig) -> dict | None:
     world, device = join_world(cfg.device)
     try:
         if world.is_main:
-            parallel = f" (DDP over {backend(device)})" if world.size > 1 else ""
+            sharded = ", target FSDP" if cfg.fsdp_target else ""
+            parallel = f" (DDP{sharded} over {backend(device)})" if world.size > 1 else ""
             print(f"train: world size {world.size}{parallel}, device {device}", flush=True)
         stats = Trainer(replace(cfg, device=device), world).run()
     finally:
