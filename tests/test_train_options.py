@@ -86,6 +86,28 @@ def test_bf16_autocast_keeps_fp32_master_weights(target_dir, data_file):
     assert {p.dtype for p in bf16.drafter.parameters()} == {torch.float32}
 
 
+def test_frozen_embedding_and_lm_head_are_not_copied_where_they_need_not_be(
+        target_dir, data_file, tmp_path):
+    # A bf16 target under bf16 autocast: the loss reads its own weights, with the same result as
+    # fp32 copies of them (autocast casts those back to bf16 for every matmul).
+    own = trainer(target_dir, data_file, "--dtype", "bfloat16", "--autocast", "bf16")
+    embed = own.target.get_input_embeddings().weight
+    assert own.frozen[0] is embed and own.frozen[1] is own.target.get_output_embeddings().weight
+    copies = trainer(target_dir, data_file, "--dtype", "bfloat16", "--autocast", "bf16")
+    copies.model.frozen = copies.frozen = tuple(w.float() for w in copies.frozen)
+    indices, anchors = [0, 1, 2, 3], [torch.tensor([40, 50, 60])] * 4
+    assert own.accumulate(indices, anchors)[0] == pytest.approx(
+        copies.accumulate(indices, anchors)[0], rel=1e-6)
+    for name, param in own.drafter.named_parameters():
+        torch.testing.assert_close(param.grad, copies.drafter.get_parameter(name).grad,
+                                   rtol=1e-5, atol=1e-7, msg=name)
+    # A tied target: one fp32 copy serves both.
+    tied = write_random_target(tmp_path / "tied", num_layers=4, vocab_size=512,
+                               tie_word_embeddings=True)
+    t = trainer(tied, data_file, "--dtype", "bfloat16")
+    assert t.frozen[0] is t.frozen[1] and t.frozen[0].dtype == torch.float32
+
+
 def test_bf16_autocast_trains(target_dir, data_file):
     t = trainer(target_dir, data_file, "--autocast", "bf16", "--batch-size", "2")
     losses = train_steps(t, 16)

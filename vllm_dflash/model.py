@@ -409,8 +409,10 @@ class DFlashDrafter(nn.Module):
         return logits
 
     def embed(self, token_ids: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
-        """Block embeddings through the target's embedding table [V, H]."""
-        return F.embedding(token_ids, embed_weight) * self.cfg.input_embedding_scale
+        """Block embeddings through the target's embedding table [V, H], in the drafter's
+        dtype (the table may be the target's, in another)."""
+        rows = F.embedding(token_ids, embed_weight).to(self.fc.weight.dtype)
+        return rows * self.cfg.input_embedding_scale
 
 
 def block_mask(

@@ -81,6 +81,7 @@ def write_random_target(
     seed: int = 0,
     dtype: str = "float32",
     texts: list[str] | None = None,
+    tie_word_embeddings: bool = False,
 ) -> Path:
     """Random-weight Qwen3ForCausalLM + tokenizer in out_dir (transformers init: std 0.02)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM  # heavy import, only needed here
@@ -97,7 +98,7 @@ def write_random_target(
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         bos_token_id=eos_id,
         eos_token_id=eos_id,
         pad_token_id=eos_id,

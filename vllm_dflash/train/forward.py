@@ -21,9 +21,13 @@ def draft_pass(
     are cast to the drafter's dtype (a drafter may train in fp32 against a bf16 target).
     """
     dtype = drafter.fc.weight.dtype
+    if not torch.is_autocast_enabled(features.device.type):
+        # Under autocast the matmul casts the lm_head itself: a copy of it in the drafter's
+        # dtype would only take memory. (drafter.embed casts the rows it looks up.)
+        lm_head_weight = lm_head_weight.to(dtype)
     context = drafter.fuse(features.to(dtype))
     context_kv = drafter.context_kv(context, torch.arange(len(features), device=features.device))
     attend = dense_attend(context_kv, mask, drafter.scale)
-    hidden = drafter(drafter.embed(block_ids, embed_weight.to(dtype)), positions, attend,
+    hidden = drafter(drafter.embed(block_ids, embed_weight), positions, attend,
                      block_len=drafter.cfg.block_size)
-    return hidden, drafter.logits(hidden, lm_head_weight.to(dtype))
+    return hidden, drafter.logits(hidden, lm_head_weight)
