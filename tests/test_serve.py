@@ -1,5 +1,6 @@
-"""`vllm serve` with the plugin on 127.0.0.1: the OpenAI endpoints give the same greedy text as a
-server without speculation, streaming or not, and /metrics shows vLLM's spec-decode counters."""
+"""`vllm serve` with the plugin on 127.0.0.1, on the trained pair: the OpenAI endpoints give the
+same greedy text as a server without speculation, streaming or not, and /metrics shows vLLM's
+spec-decode counters, whose acceptance for held-out prompts is this package's torch loop's."""
 
 import json
 import os
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines import MAX_MODEL_LEN, Pair, make_pair
+from tests.engines import MAX_MODEL_LEN, TRAINED, Pair, heldout_ids, own_loop_acceptance
 
 START_TIMEOUT_S = 600  # two servers start side by side on a 2-core machine
 
@@ -97,8 +98,7 @@ def plain_and_dflash_servers(root: Path, pair: Pair) -> AbstractContextManager[l
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    with plain_and_dflash_servers(root, make_pair(root)) as started:
+    with plain_and_dflash_servers(tmp_path_factory.mktemp("serve"), TRAINED) as started:
         yield started
 
 
@@ -154,6 +154,37 @@ def test_metrics_show_spec_decode_counters(servers):
     drafts = [line for line in metrics.splitlines()
               if line.startswith("vllm:spec_decode_num_drafts_total")]
     assert drafts and float(drafts[0].split()[-1]) > 0
+
+
+def settled_counters(server: Server):
+    """The server's spec-decode counters once two reads a second apart agree (the API server
+    records a step's stats as it handles the step's outputs)."""
+    from vllm_dflash.bench.counters import from_prometheus
+
+    counters = from_prometheus(server.get("/metrics"))
+    for _ in range(10):
+        time.sleep(1)
+        again = from_prometheus(server.get("/metrics"))
+        if again == counters:
+            break
+        counters = again
+    return counters
+
+
+def test_served_drafts_are_accepted_as_in_the_torch_loop(servers):
+    # Held-out prompts one at a time: the acceptance the server counts for them is the torch
+    # loop's on the same tokens, within test_vllm_e2e's tolerance (0.05).
+    _, dflash = servers
+    prompt_ids, max_tokens = heldout_ids(4), 40
+    before = settled_counters(dflash)
+    for ids in prompt_ids:
+        dflash.post("/v1/completions", {"model": server_model(dflash), "prompt": ids,
+                                        "max_tokens": max_tokens, "temperature": 0.0,
+                                        "ignore_eos": True})
+    counters = settled_counters(dflash).minus(before)
+    acceptance = 1 + counters.accepted / counters.drafts
+    reference = own_loop_acceptance(TRAINED, prompt_ids, max_tokens, 7)
+    assert reference > 3 and abs(acceptance - reference) <= 0.05, (acceptance, reference)
 
 
 def test_logit_bias_and_min_p_are_accepted_by_the_server(servers):
