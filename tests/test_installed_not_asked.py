@@ -70,7 +70,9 @@ def error_of(make):
 sampled_dflash2 = dflash | {"model": case["dflash2"], "draft_sample_method": "probabilistic"}
 configs = {"plain": {}, "dflash": {"speculative_config": dflash},
            "sampled_dflash2": {"speculative_config": sampled_dflash2},
-           "lora_dflash": {"speculative_config": dflash, "enable_lora": True}}
+           "lora_dflash": {"speculative_config": dflash, "enable_lora": True},
+           "block_dflash": {"speculative_config": dflash | {
+               "draft_sample_method": "probabilistic", "rejection_sample_method": "block"}}}
 result = {}
 for name in case.get("configs", []):  # which runner each engine would get
     try:
@@ -119,8 +121,8 @@ def run_case(env: dict | None = None, **case) -> dict:
 @pytest.fixture(scope="module")
 def on_mrv2_cpu():
     """Plain engines and runner choices with and without the plugin, Model Runner V2 usable."""
-    case = {"mrv2": True, "configs": ["plain", "dflash", "sampled_dflash2", "lora_dflash"],
-            "engines": ["plain"]}
+    case = {"mrv2": True, "engines": ["plain"],
+            "configs": ["plain", "dflash", "sampled_dflash2", "lora_dflash", "block_dflash"]}
     return {
         "with": run_case(**case),
         "without": run_case(env={"VLLM_PLUGINS": without_plugin()}, **case),
@@ -151,14 +153,17 @@ def test_dflash_engine_takes_the_runner_vllm_would(on_mrv2_cpu):
 
 
 def test_what_mrv2_lacks_takes_the_v1_runner_saying_why(on_mrv2_cpu):
-    # Sampled drafts of a DFlash2 drafter, and LoRA with speculation, run on V1 only: vLLM's
-    # own runner choice says so.
+    # Sampled drafts of a DFlash2 drafter, LoRA with speculation and vllm-dflash's block
+    # verification run on V1 only: vLLM's own runner choice says so.
     result = on_mrv2_cpu["with"]
     assert result["v2_sampled_dflash2"] is False and result["v2_lora_dflash"] is False
+    assert result["v2_block_dflash"] is False
     lines = result["config_lines"]
     assert any("Model Runner V2 does not yet support vllm-dflash's sampled drafts" in line
                for line in lines), lines
     assert any("Model Runner V2 does not yet support LoRA with vllm-dflash" in line
+               for line in lines), lines
+    assert any("Model Runner V2 does not yet support vllm-dflash's block verification" in line
                for line in lines), lines
 
 

@@ -39,6 +39,9 @@ V2_UNSUPPORTED_SAMPLED_SELECTOR = (
     "vllm-dflash's sampled drafts (draft_sample_method='probabilistic') of DFlash2 and LiLiCorr "
     "drafters (VLLM_USE_V2_MODEL_RUNNER=1 runs them greedy)")
 V2_UNSUPPORTED_LORA = "LoRA with vllm-dflash's speculation"
+# Block verification: vllm-dflash's runs in its V1 sampler (sampler.py); on MRV2 the speculator
+# hands verification to MRV2's own rejection sampler, whose block mode is not vllm-dflash's.
+V2_UNSUPPORTED_BLOCK = "vllm-dflash's block verification (rejection_sample_method='block')"
 SELECTOR_ARCHITECTURES = {DFLASH2, LILICORR}
 
 
@@ -160,6 +163,8 @@ def speculator_unsupported(vllm_config: Any) -> list[str]:
         unsupported.append(V2_UNSUPPORTED_SAMPLED_SELECTOR)
     if vllm_config.lora_config is not None:
         unsupported.append(V2_UNSUPPORTED_LORA)
+    if spec.rejection_sample_method == "block":
+        unsupported.append(V2_UNSUPPORTED_BLOCK)
     return unsupported
 
 
