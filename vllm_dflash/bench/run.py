@@ -47,7 +47,7 @@ def child(spec: dict, env: dict[str, str], log_path: Path, result_path: Path) ->
     with open(log_path, "w") as log:
         os.dup2(log.fileno(), sys.stdout.fileno())
         os.dup2(log.fileno(), sys.stderr.fileno())
-    os.environ.update(env)
+    os.environ.update(env)  # this run's own process (forked for it), before its engine exists
     run_spec = RunSpec(**spec)
     if run_spec.mode == "server":
         from vllm_dflash.bench.server import run

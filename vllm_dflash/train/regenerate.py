@@ -117,7 +117,9 @@ def _generate(
     tensor_parallel_size: int = 1,
 ) -> None:
     """Generate responses to prompts with one vLLM engine, appending each batch to out_file.
-    gpus: the CUDA_VISIBLE_DEVICES of the engine, one of several data-parallel ones."""
+    gpus: the CUDA_VISIBLE_DEVICES of the engine, one of several data-parallel ones.
+    Runs in a spawned child (_in_child, _in_children): the environment it writes is that
+    process's alone."""
     for key, value in CPU_ENV.items():
         os.environ.setdefault(key, value)
     if gpus is not None:

@@ -50,7 +50,7 @@ from vllm_dflash.train.distributed import (
     shard_decoder,
     syncing,
 )
-from vllm_dflash.train.evaluate import mean_acceptance_length
+from vllm_dflash.train.evaluate import mean_acceptance_length, target_head
 from vllm_dflash.train.features import (
     FeatureStore,
     batch_context_features,
@@ -348,8 +348,7 @@ def frozen_head(target: torch.nn.Module, autocast: str) -> tuple[torch.Tensor, t
     copy when they are tied. A bf16 target under bf16 autocast keeps its own bf16 weights:
     autocast casts an fp32 copy of them back to bf16 for every matmul, so the copy (2·V·H·4
     bytes, 5 GB for Qwen3-8B) would change nothing."""
-    embed = target.get_input_embeddings().weight
-    lm_head = target.get_output_embeddings().weight
+    embed, lm_head = target_head(target)
     if autocast == "bf16" and embed.dtype == lm_head.dtype == torch.bfloat16:
         return embed, lm_head
     frozen_embed = embed.float()
