@@ -84,6 +84,9 @@ def mean_acceptance_length(
     head: Head | None = None,
 ) -> float:
     """tau over all blocks of all prompts."""
+    # In the drafter's dtype once for the whole evaluation, not per block (draft_pass casts).
+    dtype = drafter.fc.weight.dtype
+    head = tuple(w.to(dtype) for w in head or target_head(target))
     lengths = [
         n for p in prompts
         for n in speculative_greedy(drafter, target, p, max_new_tokens, head)[1]
