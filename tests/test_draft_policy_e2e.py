@@ -1,9 +1,10 @@
 """The adaptive draft length inside real vLLM engines (CPU build, in-process, eager): greedy
 output identical to no speculation at concurrency 1 and 16; a good drafter keeps drafting and a
-useless one is all but switched off."""
+useless one is all but switched off; steps with drafting off keep the drafter's context whole."""
 
 import logging
 import os
+import types
 
 import pytest
 
@@ -165,3 +166,93 @@ def test_preemption_and_chunked_prefill_with_adaptive_lengths(adaptive, baseline
         assert scheduler.kv_cache_manager.usage == 0.0
     finally:
         del llm
+
+
+class DraftEveryFourthStep:
+    """A scripted policy: two steps with drafting off (each runs the runner's inject-only
+    path), a third whose end drafts K, a fourth that verifies those drafts."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def plan(self, req_ids: list[str]):
+        from vllm_dflash.draft_policy import Plan
+
+        self.steps += 1
+        phase = self.steps % 4
+        return Plan([K if phase == 0 else 0] * len(req_ids), K if phase == 3 else 0)
+
+    def observe(self, *args, **kwargs) -> None:
+        pass
+
+    def summary(self, flush: bool = False) -> None:
+        return None
+
+    def idle(self) -> None:
+        pass
+
+
+def _script_policy(llm) -> None:
+    from vllm_dflash.vllm import scheduler as scheduler_module
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    scheduler_module._controllers[scheduler].policy = DraftEveryFourthStep()
+
+
+def _count_inject_only_steps(worker) -> None:
+    runner = worker.model_runner
+    inject, propose = runner.drafter.inject, runner.drafter.propose
+    runner.inject_only_steps = 0
+
+    def counting_inject(*args):
+        runner.inject_only_steps += 1
+        return inject(*args)
+
+    def propose_through_inject(*args, **kwargs):
+        runner.drafter.inject = inject  # called by propose itself: not an inject-only step
+        try:
+            return propose(*args, **kwargs)
+        finally:
+            runner.drafter.inject = counting_inject
+
+    runner.drafter.inject, runner.drafter.propose = counting_inject, propose_through_inject
+
+
+def _inject_only_steps(worker) -> int:
+    return worker.model_runner.inject_only_steps
+
+
+def _vllm_propose_path(worker) -> None:
+    """Every step through vLLM's own propose path (prepare_next_token_ids_padded, then
+    propose with no drafts), as before the inject-only path."""
+    runner = worker.model_runner
+    vllm_propose = type(runner).propose_draft_token_ids.__wrapped__
+    runner.propose_draft_token_ids = types.MethodType(vllm_propose, runner)
+
+
+def scripted_run(prompts: list[dict], inject_only: bool):
+    llm = dflash_llm(TRAINED, K, max_num_seqs=16)
+    try:
+        _script_policy(llm)
+        llm.collective_rpc(_count_inject_only_steps if inject_only else _vllm_propose_path)
+        result = generate_ids(llm, prompts, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+        metrics = spec_metrics(llm)
+        if inject_only:
+            metrics["inject_only_steps"] = llm.collective_rpc(_inject_only_steps)[0]
+        return result, metrics
+    finally:
+        del llm
+
+
+def test_steps_with_drafting_off_keep_the_drafters_context_whole(adaptive, baseline, prompts):
+    # Half the steps skip vLLM's propose path and only inject the target's features. Drafts
+    # made after them are accepted exactly as when every step runs vLLM's path: the context
+    # the drafter reads is the same; had those steps' tokens been left out, the trained
+    # drafter's acceptance would fall.
+    got, m = scripted_run(prompts, inject_only=True)
+    reference, m_ref = scripted_run(prompts, inject_only=False)
+    assert got == reference == baseline["batch"]
+    assert m["inject_only_steps"] >= 8, m  # 14 on 2026-12-07: half the steps of the run
+    assert (m["drafts"], m["accepted"], m["accepted_per_pos"]) == (
+        m_ref["drafts"], m_ref["accepted"], m_ref["accepted_per_pos"])
+    assert 1 + m["accepted"] / m["drafts"] >= 4.0, m

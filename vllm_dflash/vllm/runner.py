@@ -7,6 +7,8 @@ patch here runs vLLM's own code unless the engine runs vllm-dflash. Checked on v
 import functools
 import sys
 
+import torch
+
 from vllm_dflash.vllm import contract
 from vllm_dflash.vllm.config import DFlashSetupError, runs_vllm_dflash
 from vllm_dflash.vllm.spec_decode import DFlashProposer
@@ -112,6 +114,31 @@ def _patch_drafting(runner) -> None:
             self.speculative_config = speculative_config
 
     runner._prepare_inputs = prepare_plain_step_inputs
+
+    # On a step that verified no drafts and drafts none (drafting off), vLLM's propose path
+    # still computes every request's next token (prepare_next_token_ids_padded, a Python loop
+    # over the requests), which only anchors drafts and, under async scheduling, feeds the next
+    # step's inputs. Without async scheduling such a step needs only the KV injection.
+    propose = runner.propose_draft_token_ids
+
+    @functools.wraps(propose)
+    def propose_or_inject_only(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                               hidden_states, sample_hidden_states, aux_hidden_states,
+                               spec_decode_metadata, common_attn_metadata, slot_mappings):
+        if (not _uses_vllm_dflash(self) or scheduler_output.num_spec_tokens_to_schedule
+                or spec_decode_metadata is not None
+                or self.valid_sampled_token_count_event is not None
+                or self.speculative_config.disable_padded_drafter_batch):
+            return propose(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                           hidden_states, sample_hidden_states, aux_hidden_states,
+                           spec_decode_metadata, common_attn_metadata, slot_mappings)
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        self._draft_probs = self._draft_prob_req_ids = None
+        self.drafter.inject(torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1),
+                            self._get_positions(num_tokens), common_attn_metadata)
+        return torch.empty(self.input_batch.num_reqs, 0, dtype=torch.int64, device=self.device)
+
+    runner.propose_draft_token_ids = propose_or_inject_only
 
 
 def _patch_cpu_seeded_chunked_prefill(runner) -> None:

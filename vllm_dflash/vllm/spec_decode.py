@@ -100,6 +100,23 @@ class DFlashProposer(SpecDecodeBaseProposer):
             sampled_token_ids, requests, input_batch, discard_request_mask)
 
     @torch.inference_mode()
+    def inject(self, target_hidden_states: torch.Tensor, target_positions: torch.Tensor,
+               common_attn_metadata: CommonAttentionMetadata
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV injection of the step's tokens; returns their context states and 1-D positions.
+        Alone, it is a step that drafts nothing (runner.py)."""
+        if target_positions.dim() == 2:
+            # M-RoPE targets (Qwen3-VL, Qwen3.5) give [sections, T]; a text token has the same
+            # position in every section. The drafter's RoPE is 1-D: the first section, as for
+            # vLLM's drafters.
+            target_positions = target_positions[0]
+        num_tokens = target_positions.shape[0]
+        ctx = self.draft_runner.inject_context(
+            target_hidden_states[:num_tokens], target_positions,
+            common_attn_metadata.slot_mapping[:num_tokens])
+        return ctx, target_positions
+
+    @torch.inference_mode()
     def propose(
         self,
         num_speculative_tokens: int,
@@ -115,15 +132,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         slot_mappings: Any = None,
     ) -> torch.Tensor:
         cad = common_attn_metadata
-        if target_positions.dim() == 2:
-            # M-RoPE targets (Qwen3-VL, Qwen3.5) give [sections, T]; a text token has the same
-            # position in every section. The drafter's RoPE is 1-D: the first section, as for
-            # vLLM's drafters.
-            target_positions = target_positions[0]
-        num_tokens = target_positions.shape[0]
-        ctx = self.draft_runner.inject_context(
-            target_hidden_states[:num_tokens], target_positions, cad.slot_mapping[:num_tokens]
-        )
+        ctx, target_positions = self.inject(target_hidden_states, target_positions, cad)
         if num_speculative_tokens == 0:
             # The draft-length policy skips drafting this step; the context still grows.
             self._last_draft_probs = None
