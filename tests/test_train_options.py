@@ -212,3 +212,24 @@ def test_options_reach_the_config():
         "bf16", 3, True, 2, 4)
     with pytest.raises(SystemExit):
         build_parser().parse_args([*argv[:6], "--autocast", "fp16"])
+
+
+def test_init_from_target_starts_the_drafter_as_the_layer_after_the_deepest_feature(
+        target_dir, data_file):
+    t = trainer(target_dir, data_file, "--init-from-target", "--layers", "1")
+    target_layer = t.target.get_decoder().layers[3]  # features 1, 2: the next layer is 3
+    for name, param in t.drafter.layers[0].named_parameters():
+        torch.testing.assert_close(param, target_layer.get_parameter(name), rtol=0, atol=0)
+    # Context states: exactly what target layer 3 normalises before its k_proj and v_proj.
+    ids = torch.tensor([t.sequences[0].token_ids])
+    hidden = t.target(input_ids=ids, output_hidden_states=True).hidden_states
+    features = torch.cat([hidden[2][0], hidden[3][0]], dim=-1)
+    with torch.no_grad():
+        torch.testing.assert_close(t.drafter.fuse(features),
+                                   target_layer.input_layernorm(hidden[3][0]))
+    # And it trains from there.
+    losses = train_steps(t, 8)
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+    with pytest.raises(ValueError, match=r"copies target layers 3..4 .* fix: pass "
+                                         r"--target-layer-ids whose largest id is at most 1"):
+        trainer(target_dir, data_file, "--init-from-target", "--layers", "2")

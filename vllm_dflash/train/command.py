@@ -69,6 +69,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "block loss)",
     )
     p.add_argument(
+        "--init-from-target",
+        action="store_true",
+        help="start the drafter's layers as the target's layers after its deepest feature, fc "
+        "passing that feature through (the drafter then needs the target's layer shapes)",
+    )
+    p.add_argument(
         "--mask-token-id",
         type=int,
         default=d.mask_token_id,

@@ -67,6 +67,7 @@ from vllm_dflash.train.regenerate import (
     settings_of,
 )
 from vllm_dflash.train.tensorboard_log import Board
+from vllm_dflash.train.warm_start import init_from_target
 
 STATE_FILE = "trainer_state.pt"
 AUTOCAST = ("none", "bf16")
@@ -115,6 +116,7 @@ class TrainConfig:
     dflash2: list[int] | None = None
     # candidate_topk, num_layers, num_heads, factor_dim: a LiLiCorr drafter.
     lilicorr: list[int] | None = None
+    init_from_target: bool = False
 
     def __post_init__(self) -> None:
         if self.dflash2 and self.lilicorr:
@@ -388,6 +390,10 @@ class Trainer:
         self.layer_ids = draft_cfg.target_layer_ids
         self.features = None if cfg.online_features else self.compute_features()
         self.drafter = random_drafter(draft_cfg, cfg.seed).to(cfg.device)
+        if cfg.init_from_target and not cfg.resume:
+            copied = init_from_target(self.drafter, self.target)
+            if world.is_main:
+                print(f"drafter layers start as target layers {copied}", flush=True)
         gamma = cfg.gamma or default_gamma(cfg.block_size)
         self.model = data_parallel(SequenceLoss(self.drafter, self.frozen, gamma), world,
                                    cfg.device)
