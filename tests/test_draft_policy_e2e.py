@@ -256,3 +256,40 @@ def test_steps_with_drafting_off_keep_the_drafters_context_whole(adaptive, basel
     assert (m["drafts"], m["accepted"], m["accepted_per_pos"]) == (
         m_ref["drafts"], m_ref["accepted"], m_ref["accepted_per_pos"])
     assert 1 + m["accepted"] / m["drafts"] >= 4.0, m
+
+
+def _attention_in_profiled_steps(worker, num_tokens: int, context_len: int) -> list:
+    """The seq_lens that the target's first attention layer sees in the start-up profile's
+    step of num_tokens query tokens (None: the step skipped attention)."""
+    from vllm.forward_context import get_forward_context
+
+    from vllm_dflash.vllm.drafting import target_step
+
+    runner = worker.model_runner
+    attention = runner.model.model.layers[0].self_attn.attn
+    seen = []
+
+    def record(module, args) -> None:
+        metadata = get_forward_context().attn_metadata
+        seen.append(None if metadata is None else
+                    metadata[module.layer_name].seq_lens[:num_tokens].tolist())
+
+    handle = attention.register_forward_pre_hook(record)
+    try:
+        target_step(runner, num_tokens, context_len)
+    finally:
+        handle.remove()
+    return seen
+
+
+def test_the_start_up_profile_attends_over_a_context(adaptive):
+    # The policy's cost of a verified draft token includes the attention over each request's
+    # context: the profiled steps run attention over context_len tokens before their queries.
+    llm = dflash_llm(TRAINED, K, max_num_seqs=16)
+    try:
+        decode = llm.collective_rpc(_attention_in_profiled_steps, args=(16, 100))[0]
+        verify = llm.collective_rpc(_attention_in_profiled_steps, args=(64, 100))[0]
+    finally:
+        del llm
+    assert decode == [[101] * 16]  # 16 requests, one query token each
+    assert verify == [[104] * 16]  # 16 requests verifying 3 drafts each

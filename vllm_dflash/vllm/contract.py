@@ -55,7 +55,8 @@ HOOKS = (
     Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._sample",
          ("logits", "spec_decode_metadata")),
     Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._bookkeeping_sync"),
-    Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._dummy_run", ("num_tokens",)),
+    Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._dummy_run",
+         ("num_tokens", "force_attention", "profile_seq_lens")),
     Hook("vllm.v1.sample.logits_processor", "BUILTIN_LOGITS_PROCESSORS"),
     Hook("vllm.v1.sample.logits_processor", "LogitsProcessors"),
     # scheduler.py: the draft-length policy beside the scheduler.
@@ -115,7 +116,7 @@ MRV2_HOOKS = (
          ("input_batch", "attn_metadata", "slot_mappings", "last_hidden_states",
           "aux_hidden_states", "num_sampled", "num_rejected", "last_sampled",
           "next_prefill_tokens", "temperature", "seeds", "dummy_run", "num_speculative_tokens")),
-    Hook("vllm.v1.worker.gpu.model_runner", "GPUModelRunner._dummy_run", ("num_tokens",)),
+    Hook("vllm.v1.worker.gpu.model_runner", "GPUModelRunner._dummy_run", ("num_tokens", "context_len")),
 )
 
 

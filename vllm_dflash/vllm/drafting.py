@@ -38,6 +38,11 @@ from vllm_dflash.vllm.model_executor import target_head, use_vllm_cpu_gemm
 
 logger = logging.getLogger("vllm.vllm_dflash")  # inherits vLLM's log handler
 PROFILE_STOP_S = 0.5
+# The context each request of the start-up profile attends to: a chat turn's prompt and part
+# of its answer. Verification's cost in query tokens includes attention over the context,
+# which grows with it: a profile without attention (vLLM's default dummy run in an eager
+# engine) made verified drafts look a third cheaper than they were.
+PROFILE_CONTEXT_TOKENS = 512
 
 
 def target_layer_ids_for_vllm(vllm_config: VllmConfig, cfg: DFlashConfig) -> None:
@@ -307,8 +312,9 @@ class DraftRunner:
         max_tokens = min(runner.max_num_tokens, max_reqs * self.block_len)
         self.dummy_runs_draft = False
         try:
-            tokens, target_s = _time_series(max_tokens, lambda t: target_step(runner, t),
-                                            self.device)
+            tokens, target_s = _time_series(
+                max_tokens, lambda t: target_step(runner, t, PROFILE_CONTEXT_TOKENS),
+                self.device)
         finally:
             self.dummy_runs_draft = True
         batch_sizes, drafter_s = _time_series(
@@ -318,12 +324,22 @@ class DraftRunner:
         return StepProfile(tokens, target_s, batch_sizes, drafter_s)
 
 
-def target_step(runner: Any, num_tokens: int) -> None:
-    """The target's work in a step of num_tokens query tokens: the forward pass (the runner's
-    dummy run, which returns the hidden states of every token first) and the logits and greedy
-    token of every row. Verification computes logits at each draft position, so a draft token
-    costs the target's lm_head too: a fifth of a small model's weights."""
-    hidden_states = runner._dummy_run(num_tokens)[0]
+def target_step(runner: Any, num_tokens: int, context_len: int) -> None:
+    """The target's work in a step of num_tokens query tokens spread over up to max_num_seqs
+    requests, each after context_len tokens of context: the forward pass with attention (the
+    runner's dummy run, which returns the hidden states of every token first) and the logits
+    and greedy token of every row. Verification computes logits at each draft position, so a
+    draft token costs the target's lm_head too: a fifth of a small model's weights."""
+    max_model_len = runner.vllm_config.model_config.max_model_len
+    if hasattr(runner, "speculator"):  # Model Runner V2 runs attention in its dummy runs
+        hidden_states = runner._dummy_run(num_tokens, context_len=context_len)[0]
+    else:
+        # V1 spreads the tokens as evenly as it can; its last request takes the remainder.
+        num_reqs = min(num_tokens, runner.scheduler_config.max_num_seqs)
+        query_len = num_tokens // num_reqs + num_tokens % num_reqs
+        hidden_states = runner._dummy_run(
+            num_tokens, force_attention=True,
+            profile_seq_lens=min(context_len + query_len, max_model_len))[0]
     if isinstance(hidden_states, torch.Tensor):  # not on a pipeline stage before the last
         runner.model.compute_logits(hidden_states).argmax(dim=-1)
 
