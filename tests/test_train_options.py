@@ -233,3 +233,20 @@ def test_init_from_target_starts_the_drafter_as_the_layer_after_the_deepest_feat
     with pytest.raises(ValueError, match=r"copies target layers 3..4 .* fix: pass "
                                          r"--target-layer-ids whose largest id is at most 1"):
         trainer(target_dir, data_file, "--init-from-target", "--layers", "2")
+
+
+def test_from_drafter_trains_a_saved_drafter_further(target_dir, data_file, tmp_path):
+    from vllm_dflash.checkpoint import save_drafter
+
+    first = trainer(target_dir, data_file)
+    train_steps(first, 4)
+    save_drafter(first.drafter, tmp_path / "saved")
+    again = trainer(target_dir, data_file, "--from-drafter", str(tmp_path / "saved"))
+    for name, param in again.drafter.named_parameters():
+        torch.testing.assert_close(param, first.drafter.get_parameter(name), rtol=0, atol=0,
+                                   msg=name)
+    with pytest.raises(ValueError, match=r"other shapes than these options give: num_layers 1 "
+                                         r"\(options: 2\).*fix: pass the --layers"):
+        trainer(target_dir, data_file, "--from-drafter", str(tmp_path / "saved"), "--layers", "2")
+    with pytest.raises(ValueError, match="--init-from-target and --from-drafter"):
+        trainer(target_dir, data_file, "--from-drafter", "x", "--init-from-target")

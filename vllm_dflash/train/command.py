@@ -75,6 +75,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "passing that feature through (the drafter then needs the target's layer shapes)",
     )
     p.add_argument(
+        "--from-drafter",
+        metavar="DIR",
+        default=d.from_drafter,
+        help="start from this saved drafter's weights (train it further, with a new schedule); "
+        "it must have the shapes the other options give",
+    )
+    p.add_argument(
         "--mask-token-id",
         type=int,
         default=d.mask_token_id,

@@ -67,7 +67,7 @@ from vllm_dflash.train.regenerate import (
     settings_of,
 )
 from vllm_dflash.train.tensorboard_log import Board
-from vllm_dflash.train.warm_start import init_from_target
+from vllm_dflash.train.warm_start import init_from_drafter, init_from_target
 
 STATE_FILE = "trainer_state.pt"
 AUTOCAST = ("none", "bf16")
@@ -117,6 +117,7 @@ class TrainConfig:
     # candidate_topk, num_layers, num_heads, factor_dim: a LiLiCorr drafter.
     lilicorr: list[int] | None = None
     init_from_target: bool = False
+    from_drafter: str | None = None
 
     def __post_init__(self) -> None:
         if self.dflash2 and self.lilicorr:
@@ -135,6 +136,9 @@ class TrainConfig:
             raise ValueError("--fsdp-target shards the target for the features each batch "
                              "computes; fix: add --online-features (a feature cache is computed "
                              "by one whole target per rank)")
+        if self.init_from_target and self.from_drafter:
+            raise ValueError("--init-from-target and --from-drafter each give the drafter's "
+                             "first weights; fix: pass one of them")
         if self.grad_accum < 1 or self.batch_size < 1:
             raise ValueError(f"--batch-size {self.batch_size} and --grad-accum "
                              f"{self.grad_accum} must be >= 1; fix: pass positive counts")
@@ -394,6 +398,8 @@ class Trainer:
             copied = init_from_target(self.drafter, self.target)
             if world.is_main:
                 print(f"drafter layers start as target layers {copied}", flush=True)
+        if cfg.from_drafter and not cfg.resume:
+            init_from_drafter(self.drafter, cfg.from_drafter)
         gamma = cfg.gamma or default_gamma(cfg.block_size)
         self.model = data_parallel(SequenceLoss(self.drafter, self.frozen, gamma), world,
                                    cfg.device)

@@ -1,4 +1,5 @@
-"""A drafter started from the target's own layers (`vllm-dflash train --init-from-target`).
+"""Drafters that do not start from noise: from the target's own layers (`vllm-dflash train
+--init-from-target`), or from a saved drafter, to train it further (`--from-drafter`).
 
 The drafter's context K/V in its first layer is `k_proj(hidden_norm(fc(features)))`. With fc
 passing only the deepest feature k through and hidden_norm holding the input norm of target
@@ -7,10 +8,20 @@ start as target layers k+1, k+2, ... and its final norm as the target's. Trainin
 the target's next-token computation instead of from noise.
 """
 
+from dataclasses import asdict
+from pathlib import Path
+
 import torch
 from transformers import PreTrainedModel
 
+from vllm_dflash.checkpoint import load_drafter
 from vllm_dflash.model import DFlashDrafter
+
+# What a saved drafter must share with the one the options describe for its weights to fit.
+SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "vocab_size", "block_size", "mask_token_id", "target_layer_ids",
+                "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                "lilicorr")
 
 
 def source_layers(drafter: DFlashDrafter, num_target_layers: int) -> list[int]:
@@ -48,3 +59,18 @@ def init_from_target(drafter: DFlashDrafter, target: PreTrainedModel) -> list[in
     drafter.hidden_norm.weight.copy_(decoder.layers[ids[0]].input_layernorm.weight)
     drafter.norm.weight.copy_(decoder.norm.weight)
     return ids
+
+
+@torch.no_grad()
+def init_from_drafter(drafter: DFlashDrafter, path: str | Path) -> None:
+    """Copy a saved drafter's weights into drafter (in place), both in the same shapes."""
+    saved = load_drafter(path, dtype=torch.float32)
+    want, have = asdict(drafter.cfg), asdict(saved.cfg)
+    differ = [f"{k} {have.get(k)} (options: {want.get(k)})" for k in SHAPE_FIELDS
+              if have.get(k) != want.get(k)]
+    if differ:
+        raise ValueError(
+            f"--from-drafter {path} has other shapes than these options give: "
+            f"{'; '.join(differ)}; fix: pass the --layers, --block-size, --target-layer-ids, "
+            "--mask-token-id (and --dflash2 / --lilicorr) it was trained with")
+    drafter.load_state_dict(saved.state_dict())
