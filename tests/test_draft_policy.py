@@ -8,7 +8,6 @@ import pytest
 
 from vllm_dflash.draft_policy import (
     EXPLORE_INTERVAL,
-    FIRST_PROBE_STEP,
     MAX_EXPLORE_INTERVAL,
     MAX_HOLD,
     PROBE_INTERVAL,
@@ -51,17 +50,16 @@ def run_steps(policy: DraftPolicy, acceptance: dict[str, float], steps: int,
 
 
 def run_timed_steps(policy: DraftPolicy, acceptance: float, steps: int, step_s,
-                    monkeypatch: pytest.MonkeyPatch, req_ids: list[str] | None = None,
-                    prefill_first: bool = False) -> list[list[int]]:
+                    monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
     """Like run_steps, through DraftPolicy.observe on a fake clock: a step that verifies d
-    drafts for n requests and emits e tokens takes step_s(n, d, drafter_ran, e) seconds. Drafts planned for a step
+    drafts for n requests takes step_s(n, d, drafter_ran) seconds. Drafts planned for a step
     exist only if the drafter ran at the end of the step before."""
     from vllm_dflash import draft_policy
 
     clock = [0.0]
     monkeypatch.setattr(draft_policy.time, "perf_counter", lambda: clock[0])
     rng = random.Random(0)
-    req_ids = req_ids or ["a", "b"]
+    req_ids = ["a", "b"]
     ready, history = 0, []
     for _ in range(steps):
         plan = policy.plan(req_ids)
@@ -74,12 +72,8 @@ def run_timed_steps(policy: DraftPolicy, acceptance: float, steps: int, step_s,
             if verified:
                 drafts.append((req_id, verified, accepted))
         draft_tokens = sum(d[1] for d in drafts)
-        emitted = len(req_ids) + sum(d[2] for d in drafts)
-        clock[0] += step_s(len(req_ids), draft_tokens, plan.num_draft > 0, emitted)
-        # A prefill's prompt tokens keep its step out of the cost fit, as in the engine.
-        prompt_tokens = 64 * len(req_ids) if prefill_first and not history else 0
-        policy.observe(drafts, len(req_ids) + draft_tokens + prompt_tokens, len(req_ids),
-                       plan.num_draft > 0)
+        clock[0] += step_s(len(req_ids), draft_tokens, plan.num_draft > 0)
+        policy.observe(drafts, len(req_ids) + draft_tokens, len(req_ids), plan.num_draft > 0)
         ready = plan.num_draft
         history.append(plan.lengths)
     return history
@@ -94,7 +88,7 @@ def test_a_draft_token_cost_the_profile_misses_shortens_drafts(monkeypatch):
     policy = DraftPolicy(7, profile(0.002, 0.00001, drafter_s=0.0002))
     steps = iter(range(10**6))
 
-    def step_s(n: int, d: int, drafter_ran: bool, emitted: int) -> float:
+    def step_s(n: int, d: int, drafter_ran: bool) -> float:
         per_draft_token = 0.00002 if next(steps) < 1500 else 0.0004
         return 0.002 + 0.00001 * (n + d) + 0.0002 * drafter_ran + per_draft_token * d
 
@@ -110,7 +104,7 @@ def test_a_costly_drafter_run_at_poor_acceptance_stops_drafting(monkeypatch):
     # draft token; a draft position is accepted 3 times in 10. No length pays.
     policy = DraftPolicy(7, profile(0.00185, 0.0, drafter_s=0.00059))
 
-    def step_s(n: int, d: int, drafter_ran: bool, emitted: int) -> float:
+    def step_s(n: int, d: int, drafter_ran: bool) -> float:
         return 0.0034 + 0.0015 * drafter_ran + 0.0001 * d
 
     history = run_timed_steps(policy, 0.3, 2000, step_s, monkeypatch)
@@ -123,7 +117,7 @@ def test_a_costly_drafter_run_at_poor_acceptance_stops_drafting(monkeypatch):
 def test_a_small_draft_token_cost_keeps_drafting(monkeypatch):
     policy = DraftPolicy(7, profile(0.002, 0.00001, drafter_s=0.0002))
 
-    def step_s(n: int, d: int, drafter_ran: bool, emitted: int) -> float:
+    def step_s(n: int, d: int, drafter_ran: bool) -> float:
         return 0.002 + 0.00001 * (n + d) + 0.0002 * drafter_ran + 0.00005 * d
 
     history = run_timed_steps(policy, 0.9, 2000, step_s, monkeypatch)
@@ -165,10 +159,10 @@ def test_cost_model_fits_host_overhead_per_step_and_request():
     for n in rng.integers(1, 64, size=500):
         tokens = int(n) * int(rng.integers(1, 9))
         profiled = float(model.profiled(np.array(tokens), int(n), np.array(True)))
-        model.observe(tokens, tokens - int(n), int(n), True, int(n), profiled + 0.003 + 0.0005 * n)
+        model.observe(tokens, tokens - int(n), int(n), True, profiled + 0.003 + 0.0005 * n)
     for n in (2, 16, 60):
         profiled = float(model.profiled(np.array(4 * n), n, np.array(True)))
-        predicted = float(model.predict(np.array(4 * n), 3 * n, n, np.array(True), n))
+        predicted = float(model.predict(np.array(4 * n), 3 * n, n, np.array(True)))
         assert predicted == pytest.approx(profiled + 0.003 + 0.0005 * n, rel=0.1)
 
 
@@ -176,10 +170,10 @@ def test_cost_model_puts_a_constant_batch_residual_in_overhead():
     model = StepCostModel(profile(0.002, 0.0001))
     for _ in range(300):
         profiled = float(model.profiled(np.array(32), 4, np.array(True)))
-        model.observe(32, 28, 4, True, 4, profiled + 0.006)
+        model.observe(32, 28, 4, True, profiled + 0.006)
     assert model.per_request == pytest.approx(0.0, abs=1e-6)
     assert model.per_draft_token == pytest.approx(0.0, abs=1e-6)
-    assert model.predict(np.array(32), 28, 4, np.array(True), 4) == pytest.approx(profiled + 0.006)
+    assert model.predict(np.array(32), 28, 4, np.array(True)) == pytest.approx(profiled + 0.006)
 
 
 def test_cost_model_separates_the_cost_of_draft_tokens():
@@ -191,12 +185,12 @@ def test_cost_model_separates_the_cost_of_draft_tokens():
         n = int(rng.integers(1, 17))
         d = 0 if step % PROBE_INTERVAL == 0 else 7 * n
         profiled = float(model.profiled(np.array(n + d), n, np.array(d > 0)))
-        model.observe(n + d, d, n, d > 0, n, profiled + 0.001 + 0.0002 * n + 0.0003 * d)
+        model.observe(n + d, d, n, d > 0, profiled + 0.001 + 0.0002 * n + 0.0003 * d)
     assert model.per_draft_token == pytest.approx(0.0003, rel=0.1)
 
     def unprofiled(n: int, d: int) -> float:
         tokens, drafted = np.array(n + d), np.array(d > 0)
-        return float(model.predict(tokens, d, n, drafted, n) - model.profiled(tokens, n, drafted))
+        return float(model.predict(tokens, d, n, drafted) - model.profiled(tokens, n, drafted))
 
     for n in (1, 4, 16):  # what the policy weighs: a step with 7 drafts a request and without
         plain, drafted = 0.001 + 0.0002 * n, 0.001 + 0.0002 * n + 0.0021 * n
@@ -389,59 +383,3 @@ def test_drafter_skipped_when_no_request_drafts():
     interval = policy.explore_interval
     plans = [policy.plan(["a"]) for _ in range(interval)]
     assert sum(plan.num_draft == 0 for plan in plans) == interval - 1
-
-
-# The tiny pair's start-up profile on 2026-12-07 (attention over 512 context tokens; ms).
-TINY_PAIR_ATTENDING = StepProfile([1, 2, 4, 8, 16, 32, 64, 128, 256],
-                                  [0.00204, 0.00204, 0.00209, 0.0024, 0.00289, 0.00351, 0.00489,
-                                   0.00762, 0.01197],
-                                  [1, 2, 4, 8, 16, 32],
-                                  [0.00043, 0.00043, 0.00051, 0.00077, 0.0013, 0.00239])
-
-
-def steps_the_profile_misses(per_output_token_s: float):
-    """Step times: the profile's, plus a host cost per emitted token that it misses (on the
-    tiny pair at 32 requests, a 7-draft step took 28 ms where the profile says 14, and a plain
-    step 5.7 ms where it says 3.5)."""
-    from vllm_dflash.draft_policy import StepCostModel
-
-    model = StepCostModel(TINY_PAIR_ATTENDING)
-
-    def step_s(n: int, d: int, drafter_ran: bool, emitted: int) -> float:
-        return float(model.profiled(np.array(n + d), n, np.array(drafter_ran))
-                     + per_output_token_s * emitted)
-
-    return step_s
-
-
-@pytest.mark.parametrize("close_call", [True, False])
-def test_early_probes_come_where_the_choice_is_close(close_call, monkeypatch):
-    # A probe (no request drafts, nor does the drafter run) at steps 8, 16, 32 and 64 while
-    # drafting is predicted less than CLOSE_CALL times as fast as plain decoding; otherwise
-    # only the regular probe at step 128.
-    from vllm_dflash import draft_policy
-
-    monkeypatch.setattr(draft_policy, "CLOSE_CALL", 1e9 if close_call else 0.0)
-    policy = DraftPolicy(7, profile(0.010, 0.0001))  # drafting pays
-    requests = ["a", "b"]
-    run_steps(policy, {"a": 0.9, "b": 0.9}, 4)
-    probes, chosen_after_first_probe = [], None
-    for _ in range(4, 200):
-        plan = policy.plan(requests)
-        if plan.num_draft == 0 and plan.lengths == [0, 0]:
-            probes.append(policy.steps)
-        if policy.steps == FIRST_PROBE_STEP + 1:
-            chosen_after_first_probe = policy.chosen.step
-    expected = [FIRST_PROBE_STEP * 2**i for i in range(4)] if close_call else []
-    assert probes == [*expected, PROBE_INTERVAL]
-    # An early probe ends the choice that held: the step after it chooses again.
-    assert (chosen_after_first_probe == FIRST_PROBE_STEP + 1) == close_call
-
-
-def test_no_early_probe_where_drafting_clearly_wins(monkeypatch):
-    # One request, a strong drafter: drafting is predicted far faster than plain decoding, so
-    # no step before the regular probe loses its drafts.
-    history = run_timed_steps(DraftPolicy(7, TINY_PAIR_ATTENDING), 0.9, 100,
-                              steps_the_profile_misses(0.0001), monkeypatch, ["a"],
-                              prefill_first=True)
-    assert all(lengths == [7] for lengths in history[1:]), history

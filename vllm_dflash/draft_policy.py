@@ -10,15 +10,13 @@ positions 1..i-1 were (DFlash's per-position acceptance, measured online). The s
 
     time(T, n) = target(T) + [drafter runs] * (drafter(n) + drafter_extra)
                  + overhead + per_request * n + per_draft_token * sum(k_r)
-                 + per_output_token * (n + sum(E_r(k_r)))
 
 with target(T) and drafter(n) profiled on the running engine at start-up, and what those
 forward passes do not include fitted online to the measured step times: the host's work
-(scheduling, bookkeeping) per step, per request and per token emitted, the work per verified
-draft token (logits, softmax and rejection sampling when requests sample) and per drafter run
-(drawing sampled drafts), which depend on the traffic. Every PROBE_INTERVAL steps one step runs without
-drafts, so that the fit can tell the cost of drafting from the rest of a step; in a burst's
-first steps too, where the choice to draft is a close call. The policy
+(scheduling, bookkeeping) per step and per request, the work per verified draft token
+(logits, softmax and rejection sampling when requests sample) and per drafter run (drawing
+sampled drafts), which depend on the traffic. Every PROBE_INTERVAL steps one step runs without
+drafts, so that the fit can tell the cost of drafting from the rest of a step. The policy
 maximises tokens per second of the batch, choosing each k_r from a small fixed set
 (0, 1, 3, 7, ..., K) so that the shapes the target and drafter see stay few. k_r = 0 is plain
 decoding; when every k_r is 0 the drafter is skipped (and the step runs as a plain step).
@@ -69,13 +67,6 @@ MAX_EXPLORE_INTERVAL = 128
 # skips its pass): without it, steps that always verify K drafts per request cannot tell the
 # cost of the drafts from the rest of the step. Costs 2 of PROBE_INTERVAL steps their drafts.
 PROBE_INTERVAL = 128
-# Before that, probes come at steps FIRST_PROBE_STEP, then 2x, 4x, ... steps apart, but only
-# while drafting is predicted less than CLOSE_CALL times as fast as plain decoding: there the
-# costs the start-up profile cannot see (rejection sampling and the host's work for every
-# token a step emits) can reverse the choice, and a short burst has no later probe to find
-# out. A clearly winning choice (a memory-bound step, a strong drafter) pays no early probe.
-FIRST_PROBE_STEP = 8
-CLOSE_CALL = 2.0
 # How much more a step without drafts weighs in the cost fit (StepCostModel.observe).
 PLAIN_STEP_WEIGHT = 16.0
 # A choice holds for this many steps, for the same requests, or for any batch when it gave
@@ -117,9 +108,9 @@ def _interp(x: np.ndarray, xs: list[int], ys: list[float]) -> np.ndarray:
 
 class StepCostModel:
     """time = profiled(T, n, g) + overhead + per_request * n + per_draft_token * d
-              + drafter_extra * g + per_output_token * e,
-    for a step of T query tokens, n requests and d verified draft tokens that emits e tokens
-    (n plus the accepted drafts), g = 1 when the drafter ran at its end.
+              + drafter_extra * g,
+    for a step of T query tokens, n requests and d verified draft tokens, g = 1 when the
+    drafter ran at its end.
 
     The profile is trusted for how a step's cost grows with its query tokens: that is what
     the start-up runs measure well. What they leave out is fitted by exponentially weighted
@@ -127,23 +118,20 @@ class StepCostModel:
     ridge so that a run whose batch hardly varies puts its residual in overhead. The
     per-draft-token and drafter terms are what sampling adds (softmax and rejection sampling
     of the verified rows, sampled drafts and their distributions): large when requests
-    sample, nearly nothing for greedy ones, so they are measured, not profiled. The output
-    token term is the host's work for each token a step emits (the scheduler's and output
-    processor's bookkeeping, detokenization, stop checks): it makes accepted drafts cost more
-    than the profile says, most where a step is small.
+    sample, nearly nothing for greedy ones, so they are measured, not profiled.
     """
 
     # Ridge per slope, relative to the feature's mean: strong on n (batch sizes hardly vary
-    # in a steady run), light on d, g and e, which the probes and acceptance's spread carry.
-    RIDGE = np.array([0.1, 0.01, 0.01, 0.01])
+    # in a steady run), light on d and g, which the probes carry.
+    RIDGE = np.array([0.1, 0.01, 0.01])
 
     def __init__(self, profile: StepProfile) -> None:
         self.profile = profile
         self.weight = 0.0
-        self.sums = np.zeros(5)  # weighted sums of n, d, g, e, r (r: the residual)
-        self.products = np.zeros((5, 5))  # ... of their pairwise products
+        self.sums = np.zeros(4)  # weighted sums of n, d, g, r (r: the residual)
+        self.products = np.zeros((4, 4))  # ... of their pairwise products
         self.overhead = 0.0
-        self.slopes = np.zeros(4)  # per request, per draft token, drafter_extra, per output
+        self.slopes = np.zeros(3)  # per request, per draft token, drafter_extra
 
     @property
     def per_request(self) -> float:
@@ -157,10 +145,6 @@ class StepCostModel:
     def drafter_extra(self) -> float:
         return float(self.slopes[2])
 
-    @property
-    def per_output_token(self) -> float:
-        return float(self.slopes[3])
-
     def profiled(self, tokens: np.ndarray, batch_size: int | np.ndarray,
                  drafted: np.ndarray) -> np.ndarray:
         p = self.profile
@@ -169,43 +153,41 @@ class StepCostModel:
         return target + np.where(drafted, drafter, 0.0)
 
     def unprofiled(self, draft_tokens: np.ndarray, batch_size: int | np.ndarray,
-                   drafted: np.ndarray, emitted: np.ndarray) -> np.ndarray:
+                   drafted: np.ndarray) -> np.ndarray:
         return (self.overhead + self.per_request * np.asarray(batch_size)
                 + self.per_draft_token * np.asarray(draft_tokens)
-                + self.drafter_extra * np.asarray(drafted, dtype=float)
-                + self.per_output_token * np.asarray(emitted))
+                + self.drafter_extra * np.asarray(drafted, dtype=float))
 
     def predict(self, tokens: np.ndarray, draft_tokens: np.ndarray, batch_size: int,
-                drafted: np.ndarray, emitted: np.ndarray) -> np.ndarray:
+                drafted: np.ndarray) -> np.ndarray:
         return (self.profiled(tokens, batch_size, drafted)
-                + self.unprofiled(draft_tokens, batch_size, drafted, emitted))
+                + self.unprofiled(draft_tokens, batch_size, drafted))
 
     def observe(self, tokens: np.ndarray, draft_tokens: np.ndarray, batch_sizes: np.ndarray,
-                drafted: np.ndarray, emitted: np.ndarray, seconds: np.ndarray) -> None:
+                drafted: np.ndarray, seconds: np.ndarray) -> None:
         """Steps measured since the last update, oldest first: one value per step in each
         array (scalars for one step)."""
-        tokens, draft_tokens, batch_sizes, drafted, emitted, seconds = map(
-            np.atleast_1d, (tokens, draft_tokens, batch_sizes, drafted, emitted, seconds))
+        tokens, draft_tokens, batch_sizes, drafted, seconds = map(
+            np.atleast_1d, (tokens, draft_tokens, batch_sizes, drafted, seconds))
         n, d, g = batch_sizes.astype(float), draft_tokens.astype(float), drafted.astype(float)
-        e = emitted.astype(float)
         x = self.profiled(tokens, n, drafted)
         # A pause (GC, another process) must not swing the fit: clip to 4x the prediction.
-        r = np.minimum(seconds, 4.0 * (x + self.unprofiled(d, n, g, e))) - x
+        r = np.minimum(seconds, 4.0 * (x + self.unprofiled(d, n, g))) - x
         # The newest step weighs 1, each older one COST_DECAY times less; a step without
         # drafts or without the drafter (rare while drafting: the probes) weighs
         # PLAIN_STEP_WEIGHT times more, so that the few of them pin what drafting costs.
         weights = COST_DECAY ** np.arange(len(n) - 1, -1, -1) * np.where(
             (d > 0) & (g > 0), 1.0, PLAIN_STEP_WEIGHT)
-        values = np.stack([n, d, g, e, r])
+        values = np.stack([n, d, g, r])
         decay = COST_DECAY ** len(n)
         self.weight = decay * self.weight + weights.sum()
         self.sums = decay * self.sums + values @ weights
         self.products = decay * self.products + (values * weights) @ values.T
         mean = self.sums / self.weight
         cov = self.products / self.weight - np.outer(mean, mean)
-        ridge = (self.RIDGE * mean[:4]) ** 2 + 1e-12
-        self.slopes = _nonnegative_slopes(cov[:4, :4] + np.diag(ridge), cov[:4, 4])
-        self.overhead = max(float(mean[4] - self.slopes @ mean[:4]), 0.0)
+        ridge = (self.RIDGE * mean[:3]) ** 2 + 1e-12
+        self.slopes = _nonnegative_slopes(cov[:3, :3] + np.diag(ridge), cov[:3, 3])
+        self.overhead = max(float(mean[3] - self.slopes @ mean[:3]), 0.0)
 
 
 def _nonnegative_slopes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -333,11 +315,9 @@ class DraftPolicy:
         self.explore_interval = EXPLORE_INTERVAL
         self.exploring = True
         self.steps = 0
-        self.next_probe, self.probe_interval = FIRST_PROBE_STEP, FIRST_PROBE_STEP
-        self.close_call = True  # drafting predicted less than CLOSE_CALL x plain decoding
         self.chosen: _Choice | None = None
         self.pending_drafts: list[tuple[str, int, int]] = []
-        self.pending_steps: list[tuple[int, int, int, bool, int, float]] = []
+        self.pending_steps: list[tuple[int, int, int, bool, float]] = []
         self.last_step_end: float | None = None  # None: idle, the next step starts at plan()
         self.step_start = 0.0
         self.report = _Report(self.levels)
@@ -364,7 +344,7 @@ class DraftPolicy:
             lengths = self.choose(req_ids)
             self.chosen = _Choice(batch, lengths.copy(), self.steps, self._hold(chosen, lengths))
         num_draft = int(lengths.max())
-        if self.drafting and self.take_probe():
+        if self.drafting and self.steps % PROBE_INTERVAL == 0:
             lengths[:], num_draft = 0, 0  # a plain step: the fit's measure without drafts
         elif num_draft < max_draft and self.exploring:
             if self.acceptance.unproven:
@@ -384,20 +364,6 @@ class DraftPolicy:
         self.report.add(lengths, num_draft > 0)
         return Plan(lengths.tolist(), num_draft)
 
-    def take_probe(self) -> bool:
-        """Whether this drafting step is a probe (see FIRST_PROBE_STEP and PROBE_INTERVAL);
-        advances their schedule. An early probe also ends the choice that holds: the next
-        step chooses with the probe measured, while the burst is young."""
-        if self.steps < self.next_probe:
-            return False
-        regular = self.probe_interval >= PROBE_INTERVAL
-        while self.next_probe <= self.steps:  # steps with drafting off skip their probes
-            self.next_probe += self.probe_interval
-            self.probe_interval = min(2 * self.probe_interval, PROBE_INTERVAL)
-        if not regular and self.close_call:
-            self.chosen = None
-        return regular or self.close_call
-
     def _hold(self, last: _Choice | None, lengths: np.ndarray) -> int:
         """How many steps a new choice of lengths holds."""
         if self.acceptance.unproven:
@@ -416,9 +382,8 @@ class DraftPolicy:
         n = len(req_ids)
         expected = self.acceptance.expected_accepted(req_ids)[:, self.levels]  # [n, L]
         # One length for the whole batch (what a fixed K is), at every level; level 0 is off.
-        emitted = n + expected.sum(axis=0)
-        rates = emitted / self.cost.predict(
-            n + n * self.levels, n * self.levels, n, self.levels > 0, emitted)
+        rates = (n + expected.sum(axis=0)) / self.cost.predict(
+            n + n * self.levels, n * self.levels, n, self.levels > 0)
         best = 1 + int(np.argmax(rates[1:]))
         lengths, on = np.full(n, self.levels[best]), rates[best]
         # Lengths per request only when predicted clearly faster: uniform batches keep the
@@ -427,7 +392,6 @@ class DraftPolicy:
         if per_request_rate > on * (1.0 + SWITCH_MARGIN):
             lengths, on = per_request, per_request_rate
         off = rates[0]
-        self.close_call = on < CLOSE_CALL * off
         self.exploring = self.could_pay(n, off)
         if self.drafting:  # stop only when plain decoding is clearly faster, and vice versa
             self.drafting = not off > on * (1.0 + SWITCH_MARGIN)
@@ -440,9 +404,8 @@ class DraftPolicy:
     def could_pay(self, n: int, off_rate: float) -> bool:
         """Whether drafting at some level would beat plain decoding for n requests if every
         draft were accepted: if not, exploring cannot find a length that pays."""
-        perfect = n * (1 + self.levels[1:])
-        ideal = perfect / self.cost.predict(perfect, n * self.levels[1:], n,
-                                            np.ones(len(self.levels) - 1), perfect)
+        ideal = n * (1 + self.levels[1:]) / self.cost.predict(
+            n * (1 + self.levels[1:]), n * self.levels[1:], n, np.ones(len(self.levels) - 1))
         return bool(ideal.max() > off_rate)
 
     def _per_request(self, expected: np.ndarray) -> tuple[np.ndarray, float]:
@@ -459,7 +422,7 @@ class DraftPolicy:
         extra_tokens = np.cumsum(np.broadcast_to(width, gain.shape).ravel()[order])
         extra_gain = np.cumsum(gain.ravel()[order])
         tokens_per_s = (n + extra_gain) / self.cost.predict(n + extra_tokens, extra_tokens, n,
-                                                            True, n + extra_gain)
+                                                            True)
         best = int(np.argmax(tokens_per_s))
         lengths = self.levels[np.bincount(rows.ravel()[order[: best + 1]], minlength=n)]
         return lengths, float(tokens_per_s[best])
@@ -475,12 +438,11 @@ class DraftPolicy:
         self.last_step_end = now
         self.pending_drafts += drafts
         draft_tokens = sum(verified for _, verified, _ in drafts)
-        emitted = batch_size + sum(accepted for _, _, accepted in drafts)
         # Only decode steps feed the cost fit: a prompt's tokens cost more than the profile
         # says (KV injection of the whole prompt, the new request's set-up), and such a step
         # verifies no drafts, so it would pass for a cheap step without drafts.
         if num_tokens == batch_size + draft_tokens:
-            self.pending_steps.append((num_tokens, draft_tokens, batch_size, drafted, emitted,
+            self.pending_steps.append((num_tokens, draft_tokens, batch_size, drafted,
                                        now - start))
 
     def _absorb(self) -> None:
@@ -536,7 +498,6 @@ class _Report:
                 f"profile + {policy.cost.overhead * 1e3:.1f} ms + "
                 f"{policy.cost.per_request * 1e3:.2f} ms per request + "
                 f"{policy.cost.per_draft_token * 1e3:.3f} ms per draft token + "
-                f"{policy.cost.drafter_extra * 1e3:.2f} ms when the drafter runs + "
-                f"{policy.cost.per_output_token * 1e3:.3f} ms per output token")
+                f"{policy.cost.drafter_extra * 1e3:.2f} ms when the drafter runs")
         self.reset()
         return line
