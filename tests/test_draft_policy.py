@@ -383,3 +383,19 @@ def test_drafter_skipped_when_no_request_drafts():
     interval = policy.explore_interval
     plans = [policy.plan(["a"]) for _ in range(interval)]
     assert sum(plan.num_draft == 0 for plan in plans) == interval - 1
+
+
+def test_a_uniform_choice_ends_when_most_of_its_requests_have_left():
+    # In a burst the requests that draft well finish first; the ones left get a fresh choice
+    # instead of the full block for the rest of the hold (up to MAX_HOLD steps).
+    policy = DraftPolicy(7, profile(0.010, 0.0001))
+    requests = [f"r{i}" for i in range(8)]
+    run_steps(policy, dict.fromkeys(requests, 0.9), 40)
+    while policy.chosen.step != policy.steps:  # up to a fresh choice
+        policy.plan(requests)
+    assert policy.chosen.uniform and policy.chosen.lengths[0] == 7
+    made = policy.chosen.step
+    policy.plan(requests[:6])  # 6 of 8 remain: the choice holds
+    assert policy.chosen.step == made
+    policy.plan(requests[:5])  # 5 of 8: chosen anew
+    assert policy.chosen.step == policy.steps

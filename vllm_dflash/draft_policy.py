@@ -77,6 +77,9 @@ REPLAN_INTERVAL = 4
 # A uniform choice that repeats the last one holds twice as long as that one did, up to this
 # many steps: a steady batch (every request at K, or all off) is re-chosen rarely.
 MAX_HOLD = 32
+# ... but not once fewer than this share of the requests it was made for remain: in a burst
+# the requests that draft well finish first, and the ones left may be worth no drafts at all.
+HOLD_MIN_REMAINING = 0.75
 REPORT_INTERVAL_S = 5.0
 
 
@@ -297,6 +300,10 @@ class _Choice:
         """One length for every request."""
         return bool((self.lengths == self.lengths[0]).all())
 
+    def remaining(self, req_ids: list[str]) -> float:
+        """The share of the requests it was made for that are among req_ids."""
+        return len(set(self.batch).intersection(req_ids)) / len(self.batch)
+
 
 @dataclass
 class Plan:
@@ -337,7 +344,7 @@ class DraftPolicy:
         holds = chosen is not None and self.steps - chosen.step < chosen.hold
         if holds and chosen.batch == batch:
             lengths = chosen.lengths.copy()
-        elif holds and chosen.uniform:
+        elif holds and chosen.uniform and chosen.remaining(req_ids) >= HOLD_MIN_REMAINING:
             # One length for the whole batch holds for requests that join it, too.
             lengths = np.full(len(req_ids), chosen.lengths[0])
         else:
