@@ -116,7 +116,8 @@ MRV2_HOOKS = (
          ("input_batch", "attn_metadata", "slot_mappings", "last_hidden_states",
           "aux_hidden_states", "num_sampled", "num_rejected", "last_sampled",
           "next_prefill_tokens", "temperature", "seeds", "dummy_run", "num_speculative_tokens")),
-    Hook("vllm.v1.worker.gpu.model_runner", "GPUModelRunner._dummy_run", ("num_tokens", "context_len")),
+    Hook("vllm.v1.worker.gpu.model_runner", "GPUModelRunner._dummy_run",
+         ("num_tokens", "context_len")),
 )
 
 

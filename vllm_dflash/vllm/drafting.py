@@ -330,16 +330,15 @@ def target_step(runner: Any, num_tokens: int, context_len: int) -> None:
     runner's dummy run, which returns the hidden states of every token first) and the logits
     and greedy token of every row. Verification computes logits at each draft position, so a
     draft token costs the target's lm_head too: a fifth of a small model's weights."""
-    max_model_len = runner.vllm_config.model_config.max_model_len
     if hasattr(runner, "speculator"):  # Model Runner V2 runs attention in its dummy runs
         hidden_states = runner._dummy_run(num_tokens, context_len=context_len)[0]
     else:
         # V1 spreads the tokens as evenly as it can; its last request takes the remainder.
         num_reqs = min(num_tokens, runner.scheduler_config.max_num_seqs)
         query_len = num_tokens // num_reqs + num_tokens % num_reqs
-        hidden_states = runner._dummy_run(
-            num_tokens, force_attention=True,
-            profile_seq_lens=min(context_len + query_len, max_model_len))[0]
+        seq_len = min(context_len + query_len, runner.vllm_config.model_config.max_model_len)
+        hidden_states = runner._dummy_run(num_tokens, force_attention=True,
+                                          profile_seq_lens=seq_len)[0]
     if isinstance(hidden_states, torch.Tensor):  # not on a pipeline stage before the last
         runner.model.compute_logits(hidden_states).argmax(dim=-1)
 
