@@ -50,7 +50,8 @@ def run_steps(policy: DraftPolicy, acceptance: dict[str, float], steps: int,
 
 
 def run_timed_steps(policy: DraftPolicy, acceptance: float, steps: int, step_s,
-                    monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+                    monkeypatch: pytest.MonkeyPatch,
+                    req_ids: tuple[str, ...] = ("a", "b")) -> list[list[int]]:
     """Like run_steps, through DraftPolicy.observe on a fake clock: a step that verifies d
     drafts for n requests takes step_s(n, d, drafter_ran) seconds. Drafts planned for a step
     exist only if the drafter ran at the end of the step before."""
@@ -59,7 +60,7 @@ def run_timed_steps(policy: DraftPolicy, acceptance: float, steps: int, step_s,
     clock = [0.0]
     monkeypatch.setattr(draft_policy.time, "perf_counter", lambda: clock[0])
     rng = random.Random(0)
-    req_ids = ["a", "b"]
+    req_ids = list(req_ids)
     ready, history = 0, []
     for _ in range(steps):
         plan = policy.plan(req_ids)
@@ -148,9 +149,11 @@ def test_acceptance_model_measures_conditional_rates():
     rates, _ = model.posterior()
     assert rates[0] == pytest.approx(0.75, abs=0.02)
     assert rates[1] == pytest.approx(0.0, abs=0.05)
-    expected = model.expected_accepted(["a", "b"])
-    assert expected.shape == (2, 4)
+    expected, variance = model.accepted_moments(["a", "b"])
+    assert expected.shape == variance.shape == (2, 4)
     assert np.all(np.diff(expected, axis=1) >= 0)  # more drafts never expect fewer tokens
+    # A draft of one token accepts a Bernoulli(a_1) count.
+    assert variance[:, 1] == pytest.approx(expected[:, 1] * (1 - expected[:, 1]))
 
 
 def test_cost_model_fits_host_overhead_per_step_and_request():
@@ -342,6 +345,11 @@ def test_stable_near_the_break_even_point():
 def choice_steps(policy: DraftPolicy, acceptance: dict[str, float], steps: int,
                  monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The steps at which the policy chooses anew, over `steps` steps."""
+    return choice_steps_of(policy, lambda: run_steps(policy, acceptance, steps), monkeypatch)
+
+
+def choice_steps_of(policy: DraftPolicy, run, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The steps at which the policy chooses anew while run() runs."""
     made, choose = [], policy.choose
 
     def counting_choose(req_ids: list[str]) -> np.ndarray:
@@ -349,7 +357,7 @@ def choice_steps(policy: DraftPolicy, acceptance: dict[str, float], steps: int,
         return choose(req_ids)
 
     monkeypatch.setattr(policy, "choose", counting_choose)
-    run_steps(policy, acceptance, steps)
+    run()
     return made
 
 
@@ -399,3 +407,34 @@ def test_a_uniform_choice_ends_when_most_of_its_requests_have_left():
     assert policy.chosen.step == made
     policy.plan(requests[:5])  # 5 of 8: chosen anew
     assert policy.chosen.step == policy.steps
+
+
+def test_a_held_choice_ends_when_its_drafts_stop_being_accepted(monkeypatch):
+    # Greedy requests, then sampled ones that accept far less (a server's traffic changing, or
+    # a greedy warm-up before a run at temperature 1): the full block, held for MAX_HOLD steps
+    # on ~200 drafts of the old traffic, ends as soon as one step's drafts show the change.
+    policy = DraftPolicy(7, profile(0.010, 0.0001))
+    requests = tuple(f"r{i}" for i in range(16))
+    run_steps(policy, dict.fromkeys(requests, 0.95), 200)
+    assert policy.chosen.hold == MAX_HOLD and policy.chosen.lengths.tolist() == [7] * 16
+    step_s = lambda n, d, drafted: 0.010 + 0.0001 * (n + d)
+    history = run_timed_steps(policy, 0.05, 40, step_s, monkeypatch, requests)
+    full = [lengths.count(7) for lengths in history]
+    # The first step verifies nothing (no drafts were ready), the second verifies the held
+    # full block; from the third on, drafting is off but for explorations.
+    assert full[:2] == [16, 16]
+    assert max(full[2:]) <= 1, full
+    assert not policy.drafting
+
+
+@pytest.mark.parametrize("acceptance", [0.3, 0.6, 0.9])
+def test_steady_traffic_keeps_its_acceptance_counts(monkeypatch, acceptance):
+    # Drafts that accept as predicted, give or take their spread, never pass for changed
+    # traffic (after the first few, which move the estimates off their prior).
+    policy = DraftPolicy(7, profile(0.010, 0.0001))
+    forgotten = []
+    monkeypatch.setattr(policy.acceptance, "forget", lambda: forgotten.append(policy.steps))
+    step_s = lambda n, d, drafted: 0.010 + 0.0001 * (n + d)
+    run_timed_steps(policy, acceptance, 1500, step_s, monkeypatch,
+                    tuple(f"r{i}" for i in range(8)))
+    assert [step for step in forgotten if step > 20] == []

@@ -80,6 +80,13 @@ MAX_HOLD = 32
 # ... but not once fewer than this share of the requests it was made for remain: in a burst
 # the requests that draft well finish first, and the ones left may be worth no drafts at all.
 HOLD_MIN_REMAINING = 0.75
+# ... nor once the drafts verified since it accepted a total more than DISPROVE_Z standard
+# deviations from what it predicted (over at least DISPROVE_MIN_DRAFTS drafts). Then the traffic
+# has changed (sampled requests after greedy ones, code after prose): the acceptance counts,
+# a memory of ~200 drafts, describe the old traffic, and are dropped, so that the next choice
+# reads the new drafts instead of holding or relearning the old lengths for dozens of steps.
+DISPROVE_Z = 4.0
+DISPROVE_MIN_DRAFTS = 8
 REPORT_INTERVAL_S = 5.0
 
 
@@ -248,14 +255,16 @@ class AcceptanceModel:
         """Fewer drafts verified than the prior is worth: the estimates are mostly prior."""
         return bool(self.reached[0] < PRIOR_WEIGHT)
 
-    def rates(self) -> np.ndarray:
+    def rates(self, optimism: float = OPTIMISM) -> np.ndarray:
         """[max_draft] conditional acceptance per position as decisions read it: the posterior
-        mean, raised by OPTIMISM standard deviations."""
+        mean, raised by `optimism` standard deviations."""
         mean, std = self.posterior()
-        return np.minimum(mean + OPTIMISM * std, 1.0)
+        return np.minimum(mean + optimism * std, 1.0)
 
-    def expected_accepted(self, req_ids: list[str]) -> np.ndarray:
-        """[n, max_draft + 1]: E_r(k) for k = 0..max_draft."""
+    def accepted_moments(self, req_ids: list[str], optimism: float = OPTIMISM
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        """[n, max_draft + 1] each: the mean E_r(k) and the variance of the tokens a draft of
+        k = 0..max_draft tokens accepts, at rates raised by `optimism` standard deviations."""
         overall = (self.accepted.sum() + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (
             self.reached.sum() + PRIOR_WEIGHT)
         own = np.array([self.requests.get(r, (0.0, 0.0)) for r in req_ids]).reshape(-1, 2)
@@ -264,9 +273,21 @@ class AcceptanceModel:
         # A request's own rate, shrunk towards the engine's, shifts every position's log-odds
         # by its own log-odds against the engine's: easy requests approach 1 at every position.
         shift = _logit(own_rate) - _logit(overall)
-        rates = _sigmoid(_logit(self.rates())[None, :] + shift[:, None])
-        expected = np.cumsum(np.cumprod(rates, axis=1), axis=1)
-        return np.concatenate([np.zeros((len(req_ids), 1)), expected], axis=1)
+        rates = _sigmoid(_logit(self.rates(optimism))[None, :] + shift[:, None])
+        # A draft of k tokens accepts at least j of them (j <= k) with probability
+        # reach_j = prod_{i<=j} a_i, so E[A] = sum_j reach_j and E[A^2] = sum_j (2j - 1) reach_j.
+        reach = np.cumprod(rates, axis=1)
+        mean = np.cumsum(reach, axis=1)
+        odd = 2 * np.arange(1, reach.shape[1] + 1) - 1
+        variance = np.cumsum(odd * reach, axis=1) - mean**2
+        zero = np.zeros((len(req_ids), 1))
+        return np.concatenate([zero, mean], axis=1), np.concatenate([zero, variance], axis=1)
+
+    def forget(self) -> None:
+        """Drops every count: they describe traffic that has changed (_Choice.disproved)."""
+        self.reached[:] = 0.0
+        self.accepted[:] = 0.0
+        self.requests = {}
 
     def forget_except(self, req_ids: list[str]) -> None:
         keep = set(req_ids)
@@ -294,6 +315,35 @@ class _Choice:
     lengths: np.ndarray
     step: int
     hold: int  # steps it holds
+    # What the estimates behind it say a draft of each length 0..max_draft accepts, as means
+    # over the batch, [max_draft + 1] each: the mean, the variance of a draft's outcome, and
+    # the error of the mean itself (one posterior standard deviation of the rates).
+    accepted_mean: np.ndarray
+    accepted_variance: np.ndarray
+    accepted_mean_error: np.ndarray
+    # ... and the drafts verified since, against them.
+    drafts: int = 0
+    accepted: float = 0.0
+    predicted: float = 0.0
+    variance: float = 0.0
+    error: float = 0.0
+
+    def record(self, drafts: list[tuple[str, int, int]]) -> None:
+        for _, verified, accepted in drafts:
+            self.accepted += accepted
+            self.predicted += self.accepted_mean[verified]
+            self.variance += self.accepted_variance[verified]
+            self.error += self.accepted_mean_error[verified]
+        self.drafts += len(drafts)
+
+    @property
+    def disproved(self) -> bool:
+        """The drafts since the choice accepted far fewer, or far more, than it predicted:
+        the outcomes' spread grows as the square root of their count, the estimates' error
+        (the same for every draft) in proportion to it."""
+        spread = np.sqrt(self.variance + self.error**2 + 1.0)
+        return (self.drafts >= DISPROVE_MIN_DRAFTS
+                and abs(self.accepted - self.predicted) > DISPROVE_Z * spread)
 
     @property
     def uniform(self) -> bool:
@@ -342,6 +392,9 @@ class DraftPolicy:
         batch = tuple(req_ids)
         chosen = self.chosen
         holds = chosen is not None and self.steps - chosen.step < chosen.hold
+        if chosen is not None and chosen.disproved:
+            holds, chosen.hold = False, self.steps - chosen.step  # it held this long
+            self.acceptance.forget()
         if holds and chosen.batch == batch:
             lengths = chosen.lengths.copy()
         elif holds and chosen.uniform and chosen.remaining(req_ids) >= HOLD_MIN_REMAINING:
@@ -349,7 +402,8 @@ class DraftPolicy:
             lengths = np.full(len(req_ids), chosen.lengths[0])
         else:
             lengths = self.choose(req_ids)
-            self.chosen = _Choice(batch, lengths.copy(), self.steps, self._hold(chosen, lengths))
+            self.chosen = _Choice(batch, lengths.copy(), self.steps, self._hold(chosen, lengths),
+                                  *self._prediction(req_ids))
         num_draft = int(lengths.max())
         if self.drafting and self.steps % PROBE_INTERVAL == 0:
             lengths[:], num_draft = 0, 0  # a plain step: the fit's measure without drafts
@@ -387,7 +441,7 @@ class DraftPolicy:
         """[n] draft lengths that maximise predicted tokens per second."""
         self._absorb()
         n = len(req_ids)
-        expected = self.acceptance.expected_accepted(req_ids)[:, self.levels]  # [n, L]
+        expected = self.acceptance.accepted_moments(req_ids)[0][:, self.levels]  # [n, L]
         # One length for the whole batch (what a fixed K is), at every level; level 0 is off.
         rates = (n + expected.sum(axis=0)) / self.cost.predict(
             n + n * self.levels, n * self.levels, n, self.levels > 0)
@@ -407,6 +461,14 @@ class DraftPolicy:
             self.explore_interval = (EXPLORE_INTERVAL if self.drafting else
                                      min(2 * self.explore_interval, MAX_EXPLORE_INTERVAL))
         return lengths if self.drafting else np.zeros(n, dtype=lengths.dtype)
+
+    def _prediction(self, req_ids: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """[max_draft + 1] each, means over the batch: the tokens a draft of each length
+        accepts by the posterior means, their variance, and the change in the mean one
+        posterior standard deviation of the rates makes."""
+        mean, variance = self.acceptance.accepted_moments(req_ids, optimism=0.0)
+        raised, _ = self.acceptance.accepted_moments(req_ids, optimism=1.0)
+        return mean.mean(axis=0), variance.mean(axis=0), (raised - mean).mean(axis=0)
 
     def could_pay(self, n: int, off_rate: float) -> bool:
         """Whether drafting at some level would beat plain decoding for n requests if every
@@ -444,6 +506,8 @@ class DraftPolicy:
         start = self.step_start if self.last_step_end is None else self.last_step_end
         self.last_step_end = now
         self.pending_drafts += drafts
+        if self.chosen is not None:
+            self.chosen.record(drafts)
         draft_tokens = sum(verified for _, verified, _ in drafts)
         # Only decode steps feed the cost fit: a prompt's tokens cost more than the profile
         # says (KV injection of the whole prompt, the new request's set-up), and such a step
