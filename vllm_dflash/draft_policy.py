@@ -124,24 +124,36 @@ class StepCostModel:
 
     The profile is trusted for how a step's cost grows with its query tokens: that is what
     the start-up runs measure well. What they leave out is fitted by exponentially weighted
-    least squares of (measured - profiled) on n, d and g, slopes kept non-negative, with a
-    ridge so that a run whose batch hardly varies puts its residual in overhead. The
-    per-draft-token and drafter terms are what sampling adds (softmax and rejection sampling
-    of the verified rows, sampled drafts and their distributions): large when requests
-    sample, nearly nothing for greedy ones, so they are measured, not profiled.
+    least squares of (measured - profiled) on 1, n, d and g, every term kept non-negative,
+    with a ridge on each. The per-draft-token and drafter terms are what a drafting step
+    adds (rejection sampling, sampled drafts and their distributions, the host's work for the
+    drafts): large when requests sample, small for greedy ones, so they are measured, not
+    profiled. The overhead is what plain steps pay too; only plain steps (or steps that
+    vary in n) can show it, so until they do, its ridge sends what a run that always drafts
+    pays beyond the profile to the drafting terms: the reading that keeps a drafter that
+    does not pay from looking as if it did.
     """
 
     # Ridge per slope, relative to the feature's mean: strong on n (batch sizes hardly vary
     # in a steady run), light on d and g, which the probes carry.
     RIDGE = np.array([0.1, 0.01, 0.01])
+    # Ridge on the overhead: the share of the fit's weight that plain steps must carry to pin
+    # it. Above the drafting terms' ridge (1e-4 for a residual they fully explain), well
+    # below the ~10% of the weight that the probes carry in a steady run.
+    OVERHEAD_RIDGE = 0.01
 
     def __init__(self, profile: StepProfile) -> None:
         self.profile = profile
-        self.weight = 0.0
-        self.sums = np.zeros(4)  # weighted sums of n, d, g, r (r: the residual)
-        self.products = np.zeros((4, 4))  # ... of their pairwise products
+        # Weighted sums of the pairwise products of 1, n, d, g and r (r: the residual); the
+        # [0, 0] entry is the total weight.
+        self.products = np.zeros((5, 5))
         self.overhead = 0.0
         self.slopes = np.zeros(3)  # per request, per draft token, drafter_extra
+
+    @property
+    def weight(self) -> float:
+        """The fit's total weight: steps observed, decayed, plain steps counted heavier."""
+        return float(self.products[0, 0])
 
     @property
     def per_request(self) -> float:
@@ -188,16 +200,14 @@ class StepCostModel:
         # PLAIN_STEP_WEIGHT times more, so that the few of them pin what drafting costs.
         weights = COST_DECAY ** np.arange(len(n) - 1, -1, -1) * np.where(
             (d > 0) & (g > 0), 1.0, PLAIN_STEP_WEIGHT)
-        values = np.stack([n, d, g, r])
-        decay = COST_DECAY ** len(n)
-        self.weight = decay * self.weight + weights.sum()
-        self.sums = decay * self.sums + values @ weights
-        self.products = decay * self.products + (values * weights) @ values.T
-        mean = self.sums / self.weight
-        cov = self.products / self.weight - np.outer(mean, mean)
-        ridge = (self.RIDGE * mean[:3]) ** 2 + 1e-12
-        self.slopes = _nonnegative_slopes(cov[:3, :3] + np.diag(ridge), cov[:3, 3])
-        self.overhead = max(float(mean[3] - self.slopes @ mean[:3]), 0.0)
+        values = np.stack([np.ones_like(n), n, d, g, r])
+        self.products = (COST_DECAY ** len(n) * self.products
+                         + (values * weights) @ values.T)
+        moments = self.products / self.products[0, 0]  # weighted means of the products
+        ridge = np.concatenate([[self.OVERHEAD_RIDGE],
+                                (self.RIDGE * moments[0, 1:4]) ** 2 + 1e-12])
+        terms = _nonnegative_slopes(moments[:4, :4] + np.diag(ridge), moments[:4, 4])
+        self.overhead, self.slopes = float(terms[0]), terms[1:]
 
 
 def _nonnegative_slopes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
