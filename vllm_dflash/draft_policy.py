@@ -326,11 +326,12 @@ class _Choice:
     step: int
     hold: int  # steps it holds
     # What the estimates behind it say a draft of each length 0..max_draft accepts, as means
-    # over the batch, [max_draft + 1] each: the mean, the variance of a draft's outcome, and
-    # the error of the mean itself (one posterior standard deviation of the rates).
-    accepted_mean: np.ndarray
-    accepted_variance: np.ndarray
-    accepted_mean_error: np.ndarray
+    # over the batch, max_draft + 1 each: the mean, the variance of a draft's outcome, and
+    # the error of the mean itself (one posterior standard deviation of the rates). Python
+    # lists: record() reads them once per draft, every step.
+    accepted_mean: list[float]
+    accepted_variance: list[float]
+    accepted_mean_error: list[float]
     # ... and the drafts verified since, against them.
     drafts: int = 0
     accepted: float = 0.0
@@ -339,11 +340,13 @@ class _Choice:
     error: float = 0.0
 
     def record(self, drafts: list[tuple[str, int, int]]) -> None:
+        mean, variance, error = (self.accepted_mean, self.accepted_variance,
+                                 self.accepted_mean_error)
         for _, verified, accepted in drafts:
             self.accepted += accepted
-            self.predicted += self.accepted_mean[verified]
-            self.variance += self.accepted_variance[verified]
-            self.error += self.accepted_mean_error[verified]
+            self.predicted += mean[verified]
+            self.variance += variance[verified]
+            self.error += error[verified]
         self.drafts += len(drafts)
 
     @property
@@ -472,13 +475,14 @@ class DraftPolicy:
                                      min(2 * self.explore_interval, MAX_EXPLORE_INTERVAL))
         return lengths if self.drafting else np.zeros(n, dtype=lengths.dtype)
 
-    def _prediction(self, req_ids: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """[max_draft + 1] each, means over the batch: the tokens a draft of each length
+    def _prediction(self, req_ids: list[str]) -> tuple[list[float], list[float], list[float]]:
+        """max_draft + 1 each, means over the batch: the tokens a draft of each length
         accepts by the posterior means, their variance, and the change in the mean one
         posterior standard deviation of the rates makes."""
         mean, variance = self.acceptance.accepted_moments(req_ids, optimism=0.0)
         raised, _ = self.acceptance.accepted_moments(req_ids, optimism=1.0)
-        return mean.mean(axis=0), variance.mean(axis=0), (raised - mean).mean(axis=0)
+        return (mean.mean(axis=0).tolist(), variance.mean(axis=0).tolist(),
+                (raised - mean).mean(axis=0).tolist())
 
     def could_pay(self, n: int, off_rate: float) -> bool:
         """Whether drafting at some level would beat plain decoding for n requests if every
