@@ -126,13 +126,17 @@ def test_a_small_draft_token_cost_keeps_drafting(monkeypatch):
     assert sum(lengths == [7, 7] for lengths in history[1000:]) >= 0.95 * 1000
 
 
-def test_steps_with_prompt_tokens_do_not_feed_the_cost_fit():
+def test_prompt_steps_and_the_first_step_of_each_shape_do_not_feed_the_cost_fit():
+    # A prompt's step costs more than the profile says, and so does the first step of each
+    # shape (one-time costs: on CPU, a GEMM primitive for each new token count).
     policy = DraftPolicy(7, profile(0.002, 0.0001))
     policy.observe([], num_tokens=64, batch_size=1, drafted=True)  # a prompt of 64 tokens
-    policy.observe([("a", 7, 2)], num_tokens=8, batch_size=1, drafted=True)  # a decode step
+    for _ in range(2):  # the same decode shape twice
+        policy.observe([("a", 7, 2)], num_tokens=8, batch_size=1, drafted=True)
+    policy.observe([("a", 3, 2)], num_tokens=4, batch_size=1, drafted=True)  # a new shape
     policy.choose(["a"])
-    assert policy.cost.weight == 1.0
-    assert policy.acceptance.reached[0] == 1.0
+    assert policy.cost.weight == pytest.approx(1.0, rel=0.01)
+    assert policy.acceptance.reached[0] == pytest.approx(3.0, rel=0.02)
 
 
 def test_draft_levels():
@@ -149,11 +153,12 @@ def test_acceptance_model_measures_conditional_rates():
     rates, _ = model.posterior()
     assert rates[0] == pytest.approx(0.75, abs=0.02)
     assert rates[1] == pytest.approx(0.0, abs=0.05)
-    expected, variance = model.accepted_moments(["a", "b"])
-    assert expected.shape == variance.shape == (2, 4)
+    expected, variance, error = model.accepted_moments(["a", "b"])
+    assert expected.shape == variance.shape == error.shape == (2, 4)
     assert np.all(np.diff(expected, axis=1) >= 0)  # more drafts never expect fewer tokens
-    # A draft of one token accepts a Bernoulli(a_1) count.
+    # A draft of one token accepts a Bernoulli(a_1) count, known to a_1's posterior error.
     assert variance[:, 1] == pytest.approx(expected[:, 1] * (1 - expected[:, 1]))
+    assert error[:, 1] == pytest.approx(model.posterior()[1][0])
 
 
 def test_cost_model_fits_host_overhead_per_step_and_request():

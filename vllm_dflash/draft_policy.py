@@ -87,6 +87,9 @@ HOLD_MIN_REMAINING = 0.75
 # reads the new drafts instead of holding or relearning the old lengths for dozens of steps.
 DISPROVE_Z = 4.0
 DISPROVE_MIN_DRAFTS = 8
+# Step shapes (query tokens, requests, drafter ran) remembered as run before; past this many,
+# every shape counts as run before (their one-time costs are long paid).
+MAX_SHAPES_SEEN = 65536
 REPORT_INTERVAL_S = 5.0
 
 
@@ -272,9 +275,10 @@ class AcceptanceModel:
         return np.minimum(mean + optimism * std, 1.0)
 
     def accepted_moments(self, req_ids: list[str], optimism: float = OPTIMISM
-                         ) -> tuple[np.ndarray, np.ndarray]:
-        """[n, max_draft + 1] each: the mean E_r(k) and the variance of the tokens a draft of
-        k = 0..max_draft tokens accepts, at rates raised by `optimism` standard deviations."""
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """[n, max_draft + 1] each, for a draft of k = 0..max_draft tokens, at rates raised by
+        `optimism` standard deviations: the mean E_r(k) of the tokens it accepts, their
+        variance, and the standard error of E_r(k) that the rates' posteriors give."""
         overall = (self.accepted.sum() + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (
             self.reached.sum() + PRIOR_WEIGHT)
         own = np.array([self.requests.get(r, (0.0, 0.0)) for r in req_ids]).reshape(-1, 2)
@@ -283,15 +287,21 @@ class AcceptanceModel:
         # A request's own rate, shrunk towards the engine's, shifts every position's log-odds
         # by its own log-odds against the engine's: easy requests approach 1 at every position.
         shift = _logit(own_rate) - _logit(overall)
+        _, std = self.posterior()
         rates = _sigmoid(_logit(self.rates(optimism))[None, :] + shift[:, None])
         # A draft of k tokens accepts at least j of them (j <= k) with probability
         # reach_j = prod_{i<=j} a_i, so E[A] = sum_j reach_j and E[A^2] = sum_j (2j - 1) reach_j.
         reach = np.cumprod(rates, axis=1)
-        mean = np.cumsum(reach, axis=1)
+        mean = np.concatenate([np.zeros((len(req_ids), 1)), np.cumsum(reach, axis=1)], axis=1)
         odd = 2 * np.arange(1, reach.shape[1] + 1) - 1
-        variance = np.cumsum(odd * reach, axis=1) - mean**2
+        variance = np.cumsum(odd * reach, axis=1) - mean[:, 1:] ** 2
+        # dE(k)/da_j = (E(k) - E(j - 1)) / a_j for j <= k; positions' errors independent.
+        below = np.tril(np.ones((reach.shape[1], reach.shape[1])))  # [k, j]: j <= k
+        slopes = (mean[:, 1:, None] - mean[:, None, :-1]) * below / rates[:, None, :]
+        error = np.sqrt(((slopes * std) ** 2).sum(axis=2))
         zero = np.zeros((len(req_ids), 1))
-        return np.concatenate([zero, mean], axis=1), np.concatenate([zero, variance], axis=1)
+        return (mean, np.concatenate([zero, variance], axis=1),
+                np.concatenate([zero, error], axis=1))
 
     def forget(self) -> None:
         """Drops every count: they describe traffic that has changed (_Choice.disproved)."""
@@ -327,8 +337,8 @@ class _Choice:
     hold: int  # steps it holds
     # What the estimates behind it say a draft of each length 0..max_draft accepts, as means
     # over the batch, max_draft + 1 each: the mean, the variance of a draft's outcome, and
-    # the error of the mean itself (one posterior standard deviation of the rates). Python
-    # lists: record() reads them once per draft, every step.
+    # the standard error of the mean itself (from the rates' posteriors). Python lists:
+    # record() reads them once per draft, every step.
     accepted_mean: list[float]
     accepted_variance: list[float]
     accepted_mean_error: list[float]
@@ -388,6 +398,7 @@ class DraftPolicy:
         self.chosen: _Choice | None = None
         self.pending_drafts: list[tuple[str, int, int]] = []
         self.pending_steps: list[tuple[int, int, int, bool, float]] = []
+        self.seen_shapes: set[tuple[int, int, bool]] = set()  # (tokens, requests, drafted)
         self.last_step_end: float | None = None  # None: idle, the next step starts at plan()
         self.step_start = 0.0
         self.report = _Report(self.levels)
@@ -477,12 +488,9 @@ class DraftPolicy:
 
     def _prediction(self, req_ids: list[str]) -> tuple[list[float], list[float], list[float]]:
         """max_draft + 1 each, means over the batch: the tokens a draft of each length
-        accepts by the posterior means, their variance, and the change in the mean one
-        posterior standard deviation of the rates makes."""
-        mean, variance = self.acceptance.accepted_moments(req_ids, optimism=0.0)
-        raised, _ = self.acceptance.accepted_moments(req_ids, optimism=1.0)
-        return (mean.mean(axis=0).tolist(), variance.mean(axis=0).tolist(),
-                (raised - mean).mean(axis=0).tolist())
+        accepts by the posterior means, their variance, and the standard error of the mean."""
+        moments = self.acceptance.accepted_moments(req_ids, optimism=0.0)
+        return tuple(m.mean(axis=0).tolist() for m in moments)
 
     def could_pay(self, n: int, off_rate: float) -> bool:
         """Whether drafting at some level would beat plain decoding for n requests if every
@@ -523,10 +531,17 @@ class DraftPolicy:
         if self.chosen is not None:
             self.chosen.record(drafts)
         draft_tokens = sum(verified for _, verified, _ in drafts)
+        # The first step of each shape pays one-time costs later ones do not (on the CPU
+        # build, oneDNN builds GEMM primitives for each new token count: 2-6 ms more on the
+        # tiny pair), which the fit would read as what that kind of step always costs.
+        shape = (num_tokens, batch_size, drafted)
+        seen = shape in self.seen_shapes
+        if not seen and len(self.seen_shapes) < MAX_SHAPES_SEEN:
+            self.seen_shapes.add(shape)
         # Only decode steps feed the cost fit: a prompt's tokens cost more than the profile
         # says (KV injection of the whole prompt, the new request's set-up), and such a step
         # verifies no drafts, so it would pass for a cheap step without drafts.
-        if num_tokens == batch_size + draft_tokens:
+        if seen and num_tokens == batch_size + draft_tokens:
             self.pending_steps.append((num_tokens, draft_tokens, batch_size, drafted,
                                        now - start))
 
