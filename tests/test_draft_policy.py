@@ -153,9 +153,13 @@ def test_acceptance_model_measures_conditional_rates():
     rates, _ = model.posterior()
     assert rates[0] == pytest.approx(0.75, abs=0.02)
     assert rates[1] == pytest.approx(0.0, abs=0.05)
-    expected, variance, error = model.accepted_moments(["a", "b"])
+    decided = model.expected_accepted(["a", "b"])  # at the rates decisions read
+    assert decided.shape == (2, 4)
+    assert np.all(np.diff(decided, axis=1) >= 0)  # more drafts never expect fewer tokens
+    expected, variance, error = model.accepted_moments(["a", "b"])  # at the posterior means
     assert expected.shape == variance.shape == error.shape == (2, 4)
-    assert np.all(np.diff(expected, axis=1) >= 0)  # more drafts never expect fewer tokens
+    assert np.all(np.diff(expected, axis=1) >= 0)
+    assert np.all(decided >= expected)
     # A draft of one token accepts a Bernoulli(a_1) count, known to a_1's posterior error.
     assert variance[:, 1] == pytest.approx(expected[:, 1] * (1 - expected[:, 1]))
     assert error[:, 1] == pytest.approx(model.posterior()[1][0])

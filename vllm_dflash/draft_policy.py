@@ -25,6 +25,7 @@ Pure Python + numpy: no vLLM, no device work, no synchronisation. vLLM's schedul
 (vllm/scheduler.py), where acceptance counts and step times are already on the host.
 """
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -268,17 +269,38 @@ class AcceptanceModel:
         """Fewer drafts verified than the prior is worth: the estimates are mostly prior."""
         return bool(self.reached[0] < PRIOR_WEIGHT)
 
-    def rates(self, optimism: float = OPTIMISM) -> np.ndarray:
+    def rates(self) -> np.ndarray:
         """[max_draft] conditional acceptance per position as decisions read it: the posterior
-        mean, raised by `optimism` standard deviations."""
+        mean, raised by OPTIMISM standard deviations."""
         mean, std = self.posterior()
-        return np.minimum(mean + optimism * std, 1.0)
+        return np.minimum(mean + OPTIMISM * std, 1.0)
 
-    def accepted_moments(self, req_ids: list[str], optimism: float = OPTIMISM
+    def expected_accepted(self, req_ids: list[str]) -> np.ndarray:
+        """[n, max_draft + 1]: E_r(k) for k = 0..max_draft, as decisions read the rates."""
+        reach = np.cumprod(self._request_rates(req_ids, self.rates()), axis=1)
+        return _with_zero_draft(np.cumsum(reach, axis=1))
+
+    def accepted_moments(self, req_ids: list[str]
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """[n, max_draft + 1] each, for a draft of k = 0..max_draft tokens, at rates raised by
-        `optimism` standard deviations: the mean E_r(k) of the tokens it accepts, their
-        variance, and the standard error of E_r(k) that the rates' posteriors give."""
+        """[n, max_draft + 1] each, for a draft of k = 0..max_draft tokens, at the posterior
+        means: the mean E_r(k) of the tokens it accepts, their variance, and the standard error
+        of E_r(k) that the rates' posteriors give."""
+        position_rates, std = self.posterior()
+        rates = self._request_rates(req_ids, position_rates)
+        # A draft of k tokens accepts at least j of them (j <= k) with probability
+        # reach_j = prod_{i<=j} a_i, so E[A] = sum_j reach_j and E[A^2] = sum_j (2j - 1) reach_j.
+        reach = np.cumprod(rates, axis=1)
+        mean = _with_zero_draft(np.cumsum(reach, axis=1))
+        odd = 2 * np.arange(1, reach.shape[1] + 1) - 1
+        variance = np.cumsum(odd * reach, axis=1) - mean[:, 1:] ** 2
+        # dE(k)/da_j = (E(k) - E(j - 1)) / a_j for j <= k; positions' errors independent.
+        below = np.tril(np.ones((reach.shape[1], reach.shape[1])))  # [k, j]: j <= k
+        slopes = (mean[:, 1:, None] - mean[:, None, :-1]) * below / rates[:, None, :]
+        error = np.sqrt(((slopes * std) ** 2).sum(axis=2))
+        return mean, _with_zero_draft(variance), _with_zero_draft(error)
+
+    def _request_rates(self, req_ids: list[str], position_rates: np.ndarray) -> np.ndarray:
+        """[n, max_draft]: the engine's per-position rates, shifted to each request."""
         overall = (self.accepted.sum() + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (
             self.reached.sum() + PRIOR_WEIGHT)
         own = np.array([self.requests.get(r, (0.0, 0.0)) for r in req_ids]).reshape(-1, 2)
@@ -287,21 +309,7 @@ class AcceptanceModel:
         # A request's own rate, shrunk towards the engine's, shifts every position's log-odds
         # by its own log-odds against the engine's: easy requests approach 1 at every position.
         shift = _logit(own_rate) - _logit(overall)
-        _, std = self.posterior()
-        rates = _sigmoid(_logit(self.rates(optimism))[None, :] + shift[:, None])
-        # A draft of k tokens accepts at least j of them (j <= k) with probability
-        # reach_j = prod_{i<=j} a_i, so E[A] = sum_j reach_j and E[A^2] = sum_j (2j - 1) reach_j.
-        reach = np.cumprod(rates, axis=1)
-        mean = np.concatenate([np.zeros((len(req_ids), 1)), np.cumsum(reach, axis=1)], axis=1)
-        odd = 2 * np.arange(1, reach.shape[1] + 1) - 1
-        variance = np.cumsum(odd * reach, axis=1) - mean[:, 1:] ** 2
-        # dE(k)/da_j = (E(k) - E(j - 1)) / a_j for j <= k; positions' errors independent.
-        below = np.tril(np.ones((reach.shape[1], reach.shape[1])))  # [k, j]: j <= k
-        slopes = (mean[:, 1:, None] - mean[:, None, :-1]) * below / rates[:, None, :]
-        error = np.sqrt(((slopes * std) ** 2).sum(axis=2))
-        zero = np.zeros((len(req_ids), 1))
-        return (mean, np.concatenate([zero, variance], axis=1),
-                np.concatenate([zero, error], axis=1))
+        return _sigmoid(_logit(position_rates)[None, :] + shift[:, None])
 
     def forget(self) -> None:
         """Drops every count: they describe traffic that has changed (_Choice.disproved)."""
@@ -312,6 +320,11 @@ class AcceptanceModel:
     def forget_except(self, req_ids: list[str]) -> None:
         keep = set(req_ids)
         self.requests = {r: v for r, v in self.requests.items() if r in keep}
+
+
+def _with_zero_draft(per_length: np.ndarray) -> np.ndarray:
+    """[n, max_draft] for draft lengths 1..max_draft -> [n, max_draft + 1] from length 0."""
+    return np.concatenate([np.zeros((len(per_length), 1)), per_length], axis=1)
 
 
 def _count_above(values: np.ndarray, size: int) -> np.ndarray:
@@ -364,7 +377,7 @@ class _Choice:
         """The drafts since the choice accepted far fewer, or far more, than it predicted:
         the outcomes' spread grows as the square root of their count, the estimates' error
         (the same for every draft) in proportion to it."""
-        spread = np.sqrt(self.variance + self.error**2 + 1.0)
+        spread = math.sqrt(self.variance + self.error**2 + 1.0)
         return (self.drafts >= DISPROVE_MIN_DRAFTS
                 and abs(self.accepted - self.predicted) > DISPROVE_Z * spread)
 
@@ -465,7 +478,7 @@ class DraftPolicy:
         """[n] draft lengths that maximise predicted tokens per second."""
         self._absorb()
         n = len(req_ids)
-        expected = self.acceptance.accepted_moments(req_ids)[0][:, self.levels]  # [n, L]
+        expected = self.acceptance.expected_accepted(req_ids)[:, self.levels]  # [n, L]
         # One length for the whole batch (what a fixed K is), at every level; level 0 is off.
         rates = (n + expected.sum(axis=0)) / self.cost.predict(
             n + n * self.levels, n * self.levels, n, self.levels > 0)
@@ -489,7 +502,7 @@ class DraftPolicy:
     def _prediction(self, req_ids: list[str]) -> tuple[list[float], list[float], list[float]]:
         """max_draft + 1 each, means over the batch: the tokens a draft of each length
         accepts by the posterior means, their variance, and the standard error of the mean."""
-        moments = self.acceptance.accepted_moments(req_ids, optimism=0.0)
+        moments = self.acceptance.accepted_moments(req_ids)
         return tuple(m.mean(axis=0).tolist() for m in moments)
 
     def could_pay(self, n: int, off_rate: float) -> bool:
