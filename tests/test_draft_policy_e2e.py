@@ -201,58 +201,65 @@ def _script_policy(llm) -> None:
 
 def _count_inject_only_steps(worker) -> None:
     runner = worker.model_runner
-    inject, propose = runner.drafter.inject, runner.drafter.propose
+    queue_context = runner.drafter.queue_context
     runner.inject_only_steps = 0
 
-    def counting_inject(*args):
+    def counting_queue_context(*args):
         runner.inject_only_steps += 1
+        return queue_context(*args)
+
+    runner.drafter.queue_context = counting_queue_context
+    queue = runner.drafter.draft_runner.context_queue
+    inject, runner.queue_injections = queue.inject, 0
+
+    def counting_inject(*args):
+        runner.queue_injections += 1
         return inject(*args)
 
-    def propose_through_inject(*args, **kwargs):
-        runner.drafter.inject = inject  # called by propose itself: not an inject-only step
-        try:
-            return propose(*args, **kwargs)
-        finally:
-            runner.drafter.inject = counting_inject
-
-    runner.drafter.inject, runner.drafter.propose = counting_inject, propose_through_inject
+    queue.inject = counting_inject
 
 
-def _inject_only_steps(worker) -> int:
-    return worker.model_runner.inject_only_steps
+def _queue_counts(worker) -> tuple[int, int]:
+    return worker.model_runner.inject_only_steps, worker.model_runner.queue_injections
 
 
-def _vllm_propose_path(worker) -> None:
+def _vllm_propose_path_injecting_every_step(worker) -> None:
     """Every step through vLLM's own propose path (prepare_next_token_ids_padded, then
-    propose with no drafts), as before the inject-only path."""
+    propose with no drafts) and every step's context injected at once: as before the
+    inject-only path and the context queue."""
     runner = worker.model_runner
     vllm_propose = type(runner).propose_draft_token_ids.__wrapped__
     runner.propose_draft_token_ids = types.MethodType(vllm_propose, runner)
+    runner.drafter.draft_runner.context_queue = None
 
 
 def scripted_run(prompts: list[dict], inject_only: bool):
     llm = dflash_llm(TRAINED, K, max_num_seqs=16)
     try:
         _script_policy(llm)
-        llm.collective_rpc(_count_inject_only_steps if inject_only else _vllm_propose_path)
+        llm.collective_rpc(_count_inject_only_steps if inject_only
+                           else _vllm_propose_path_injecting_every_step)
         result = generate_ids(llm, prompts, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
         metrics = spec_metrics(llm)
         if inject_only:
-            metrics["inject_only_steps"] = llm.collective_rpc(_inject_only_steps)[0]
+            metrics["inject_only_steps"], metrics["queue_injections"] = llm.collective_rpc(
+                _queue_counts)[0]
         return result, metrics
     finally:
         del llm
 
 
 def test_steps_with_drafting_off_keep_the_drafters_context_whole(adaptive, baseline, prompts):
-    # Half the steps skip vLLM's propose path and only inject the target's features. Drafts
-    # made after them are accepted exactly as when every step runs vLLM's path: the context
-    # the drafter reads is the same; had those steps' tokens been left out, the trained
-    # drafter's acceptance would fall.
+    # Half the steps skip vLLM's propose path and only queue the target's features, injected
+    # before the next draft. Drafts made after them are accepted exactly as when every step
+    # runs vLLM's path and injects at once: the context the drafter reads is the same; had
+    # those steps' tokens been left out, the trained drafter's acceptance would fall.
     got, m = scripted_run(prompts, inject_only=True)
     reference, m_ref = scripted_run(prompts, inject_only=False)
     assert got == reference == baseline["batch"]
     assert m["inject_only_steps"] >= 8, m  # 14 on 2026-12-07: half the steps of the run
+    # Two queued steps, then one injection before the draft that reads them.
+    assert 0 < m["queue_injections"] <= m["inject_only_steps"] / 2, m
     assert (m["drafts"], m["accepted"], m["accepted_per_pos"]) == (
         m_ref["drafts"], m_ref["accepted"], m_ref["accepted_per_pos"])
     assert 1 + m["accepted"] / m["drafts"] >= 4.0, m

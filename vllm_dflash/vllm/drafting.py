@@ -25,6 +25,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from vllm_dflash.checkpoint import load_drafter
 from vllm_dflash.config import DFlashConfig, DFlashConfigError
+from vllm_dflash.context_queue import ContextQueue
 from vllm_dflash.draft_graphs import DraftGraphs
 from vllm_dflash.draft_policy import StepProfile
 from vllm_dflash.draft_sampling import DraftSampling, choose_drafts
@@ -43,6 +44,9 @@ PROFILE_STOP_S = 0.5
 # which grows with it: a profile without attention (vLLM's default dummy run in an eager
 # engine) made verified drafts look a third cheaper than they were.
 PROFILE_CONTEXT_TOKENS = 512
+# Tokens whose KV injection may wait while no request drafts (context_queue.py): 64 decode
+# steps at 8 requests, one injection instead of 64; 20 MB of features for Qwen3-8B.
+CONTEXT_QUEUE_TOKENS = 512
 
 
 def target_layer_ids_for_vllm(vllm_config: VllmConfig, cfg: DFlashConfig) -> None:
@@ -98,6 +102,7 @@ class DraftRunner:
         self.kv_layers: list[DraftKVLayer] = []
         self.dummy_runs_draft = True  # off while profiling the target alone
         self.draft_graphs: DraftGraphs | None = None  # captured with vLLM's graphs
+        self.context_queue: ContextQueue | None = None  # made in load()
         self.last_draft_probs: torch.Tensor | None = None
         # vLLM captures each target layer once, in ascending order; the drafter wants its
         # target_layer_ids order, duplicates included.
@@ -139,6 +144,12 @@ class DraftRunner:
         # query_start_loc of any batch: request r's block starts at r * block_len.
         self.block_starts = torch.arange(self.max_batch_size + 1, dtype=torch.int32,
                                          device=self.device) * self.block_len
+        # A KV connector saves or sends the cache after each step: the drafter's part must be
+        # current then, so its injection never waits.
+        if config.kv_transfer_config is None:
+            self.context_queue = ContextQueue(
+                CONTEXT_QUEUE_TOKENS, len(set(cfg.target_layer_ids)) * cfg.hidden_size,
+                config.model_config.dtype, self.device, self._inject)
         forward_context = config.compilation_config.static_forward_context
         for name in self.kv_layer_names:
             if name in forward_context:
@@ -167,8 +178,28 @@ class DraftRunner:
     def inject_context(
         self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
     ) -> torch.Tensor:
-        """Writes the drafter's context K/V of the target's tokens; returns their fused
-        context states [T, H]."""
+        """Writes the drafter's context K/V of the target's tokens (after any still queued);
+        returns their fused context states [T, H]. A drafting step calls this."""
+        self.flush_context()
+        return self._inject(features, positions, slot_mapping)
+
+    def queue_context(self, feature_chunks: list[torch.Tensor], positions: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+        """The context of a step that drafts nothing: its injection waits in the queue until
+        the next drafting step or until the queue is full (context_queue.py). feature_chunks:
+        the captured target layers' hidden states [T, H] each."""
+        if self.context_queue is None:
+            self._inject(torch.cat(feature_chunks, dim=-1), positions, slot_mapping)
+        else:
+            self.context_queue.put(feature_chunks, positions, slot_mapping)
+
+    def flush_context(self) -> None:
+        """Injects the queued context, so that the drafter's cache holds every token's."""
+        if self.context_queue is not None:
+            self.context_queue.flush()
+
+    def _inject(self, features: torch.Tensor, positions: torch.Tensor,
+                slot_mapping: torch.Tensor) -> torch.Tensor:
         if self.feature_order is not None:
             chunks = features.view(features.shape[0], -1, self.cfg.hidden_size)
             features = chunks[:, self.feature_order].flatten(1)

@@ -118,7 +118,8 @@ def _patch_drafting(runner) -> None:
     # On a step that verified no drafts and drafts none (drafting off), vLLM's propose path
     # still computes every request's next token (prepare_next_token_ids_padded, a Python loop
     # over the requests), which only anchors drafts and, under async scheduling, feeds the next
-    # step's inputs. Without async scheduling such a step needs only the KV injection.
+    # step's inputs. Without async scheduling such a step needs only the KV injection, which
+    # waits for the next drafting step (context_queue.py).
     propose = runner.propose_draft_token_ids
 
     @functools.wraps(propose)
@@ -134,8 +135,8 @@ def _patch_drafting(runner) -> None:
                            spec_decode_metadata, common_attn_metadata, slot_mappings)
         num_tokens = scheduler_output.total_num_scheduled_tokens
         self._draft_probs = self._draft_prob_req_ids = None
-        self.drafter.inject(torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1),
-                            self._get_positions(num_tokens), common_attn_metadata)
+        self.drafter.queue_context(aux_hidden_states, self._get_positions(num_tokens),
+                                   common_attn_metadata)
         return torch.empty(self.input_batch.num_reqs, 0, dtype=torch.int64, device=self.device)
 
     runner.propose_draft_token_ids = propose_or_inject_only

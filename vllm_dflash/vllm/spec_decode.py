@@ -103,18 +103,25 @@ class DFlashProposer(SpecDecodeBaseProposer):
     def inject(self, target_hidden_states: torch.Tensor, target_positions: torch.Tensor,
                common_attn_metadata: CommonAttentionMetadata
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """KV injection of the step's tokens; returns their context states and 1-D positions.
-        Alone, it is a step that drafts nothing (runner.py)."""
-        if target_positions.dim() == 2:
-            # M-RoPE targets (Qwen3-VL, Qwen3.5) give [sections, T]; a text token has the same
-            # position in every section. The drafter's RoPE is 1-D: the first section, as for
-            # vLLM's drafters.
-            target_positions = target_positions[0]
+        """KV injection of the step's tokens, for a step that drafts; returns their context
+        states and 1-D positions."""
+        target_positions = text_positions(target_positions)
         num_tokens = target_positions.shape[0]
         ctx = self.draft_runner.inject_context(
             target_hidden_states[:num_tokens], target_positions,
             common_attn_metadata.slot_mapping[:num_tokens])
         return ctx, target_positions
+
+    @torch.inference_mode()
+    def queue_context(self, feature_chunks: list[torch.Tensor], target_positions: torch.Tensor,
+                      common_attn_metadata: CommonAttentionMetadata) -> None:
+        """A step that drafts nothing: its tokens' context waits for the next drafting step's
+        injection. Alone, it is such a step (runner.py)."""
+        target_positions = text_positions(target_positions)
+        num_tokens = target_positions.shape[0]
+        self.draft_runner.queue_context(
+            [h[:num_tokens] for h in feature_chunks], target_positions,
+            common_attn_metadata.slot_mapping[:num_tokens])
 
     @torch.inference_mode()
     def propose(
@@ -132,11 +139,12 @@ class DFlashProposer(SpecDecodeBaseProposer):
         slot_mappings: Any = None,
     ) -> torch.Tensor:
         cad = common_attn_metadata
-        ctx, target_positions = self.inject(target_hidden_states, target_positions, cad)
         if num_speculative_tokens == 0:
             # The draft-length policy skips drafting this step; the context still grows.
+            self.queue_context([target_hidden_states], target_positions, cad)
             self._last_draft_probs = None
             return next_token_ids.new_empty(next_token_ids.shape[0], 0)
+        ctx, target_positions = self.inject(target_hidden_states, target_positions, cad)
         context_lens = cad.seq_lens
         last_valid = cad.query_start_loc[1:] - 1  # each request's last accepted token
         if num_rejected_tokens_gpu is not None:
@@ -170,6 +178,13 @@ class DFlashProposer(SpecDecodeBaseProposer):
                 and not torch.cuda.is_current_stream_capturing()):
             self.draft_runner.capture_draft_graphs()
         self.draft_runner.dummy_run(num_tokens, sampling=self._enable_probabilistic_draft_probs)
+
+
+def text_positions(positions: torch.Tensor) -> torch.Tensor:
+    """M-RoPE targets (Qwen3-VL, Qwen3.5) give positions [sections, T]; a text token has the
+    same position in every section. The drafter's RoPE is 1-D: the first section, as for
+    vLLM's drafters."""
+    return positions[0] if positions.dim() == 2 else positions
 
 
 SUPPORTED_RUNNERS = ("GPUModelRunner (V1)", "CPUModelRunner")

@@ -103,7 +103,7 @@ class DFlashSpeculator(DraftModelSpeculator):
         num_speculative_tokens: int | None = None,
     ) -> torch.Tensor:
         """[num_reqs, K] int64 draft tokens (the first k real, -1 after), the runner's shape
-        whatever k this step drafts; k = 0 still injects the step's context."""
+        whatever k this step drafts; k = 0 still queues the step's context for injection."""
         num_reqs, max_draft = input_batch.num_reqs, self.num_speculative_steps
         num_draft = max_draft if num_speculative_tokens is None else num_speculative_tokens
         drafts = torch.full((num_reqs, max_draft), -1, dtype=torch.int64, device=self.device)
@@ -112,11 +112,12 @@ class DFlashSpeculator(DraftModelSpeculator):
             return drafts
         num_tokens = input_batch.num_tokens
         positions = input_batch.positions[:num_tokens]
-        features = torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)
+        features = [h[:num_tokens] for h in aux_hidden_states]
         slots = slot_mappings[self.draft_runner.kv_layer_names[0]][:num_tokens]
-        ctx = self.draft_runner.inject_context(features, positions, slots)
-        if num_draft == 0:
+        if num_draft == 0:  # the context waits for the next drafting step's injection
+            self.draft_runner.queue_context(features, positions, slots)
             return drafts
+        ctx = self.draft_runner.inject_context(torch.cat(features, dim=-1), positions, slots)
         rejected = num_rejected[:num_reqs]
         last_valid = (input_batch.query_start_loc[1:num_reqs + 1] - 1 - rejected).long()
         rows = input_batch.idx_mapping[:num_reqs]
