@@ -1,7 +1,9 @@
 """Deferred KV injection. While no request drafts, the target's features of each step wait in
 a fixed buffer and are injected in one batch before the drafter next reads its context cache,
 or once the buffer is full. On a small target a step's injection is mostly fixed cost (its
-kernels' launches and GEMM set-up), paid once per batch instead of once per step.
+kernels' launches and GEMM set-up), paid once per batch instead of once per step. A batch is
+padded to a power of two tokens (padding rows have slot -1 and write nothing): a few shapes,
+each warmed up once, since on the CPU build the first GEMM of each new token count costs 1-5 ms.
 
 Order: while waiting, a slot may be written twice (a finished request's block reused by a new
 request, a preempted one recomputed); the later write wins, as step by step. Nothing writes
@@ -22,9 +24,10 @@ class ContextQueue:
     def __init__(self, capacity: int, feature_size: int, dtype: torch.dtype,
                  device: torch.device, inject: Inject) -> None:
         # Allocated at load time, before vLLM sizes its KV cache: its memory is accounted.
-        self.features = torch.empty(capacity, feature_size, dtype=dtype, device=device)
-        self.positions = torch.empty(capacity, dtype=torch.int64, device=device)
-        self.slots = torch.empty(capacity, dtype=torch.int64, device=device)
+        # Zeros: padding rows run through the injection's GEMM and RoPE before being skipped.
+        self.features = torch.zeros(capacity, feature_size, dtype=dtype, device=device)
+        self.positions = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.slots = torch.full((capacity,), -1, dtype=torch.int64, device=device)
         self.num_tokens = 0
         self.inject = inject
 
@@ -47,17 +50,32 @@ class ContextQueue:
 
     def flush(self) -> None:
         """Injects the queued tokens, the last write of each slot only."""
-        if not self.num_tokens:
+        n = self.num_tokens
+        if not n:
             return
-        keep = last_write_per_slot(self.slots[:self.num_tokens])
+        size = min(1 << (n - 1).bit_length(), self.features.shape[0])
+        slots = self.slots[:size]
+        slots[n:] = -1
+        slots[:n][superseded_writes(slots[:n])] = -1
         self.num_tokens = 0
-        self.inject(self.features[keep], self.positions[keep], self.slots[keep])
+        self.inject(self.features[:size], self.positions[:size], slots)
+
+    def batch_sizes(self) -> list[int]:
+        """Every token count a flush injects."""
+        capacity = self.features.shape[0]
+        return sorted({min(1 << i, capacity) for i in range(capacity.bit_length() + 1)})
+
+    def warm_up(self) -> None:
+        """Injects padding at every flush size: the GEMMs' one-time costs, paid at start-up."""
+        for size in self.batch_sizes():
+            self.inject(self.features[:size], self.positions[:size],
+                        torch.full_like(self.slots[:size], -1))
 
 
-def last_write_per_slot(slots: torch.Tensor) -> torch.Tensor:
-    """Indices of the last occurrence of each slot value in `slots`, sorted by slot."""
-    order = torch.argsort(slots, stable=True)
+def superseded_writes(slots: torch.Tensor) -> torch.Tensor:
+    """[T] bool: the writes to a slot that a later write in `slots` overwrites."""
+    order = torch.argsort(slots, stable=True)  # equal slots stay in write order
     ordered = slots[order]
-    is_last = torch.ones_like(ordered, dtype=torch.bool)
-    is_last[:-1] = ordered[1:] != ordered[:-1]
-    return order[is_last]
+    superseded = torch.zeros_like(slots, dtype=torch.bool)
+    superseded[order[:-1]] = ordered[:-1] == ordered[1:]
+    return superseded

@@ -341,6 +341,8 @@ class DraftRunner:
         two points."""
         max_reqs = runner.max_num_reqs
         max_tokens = min(runner.max_num_tokens, max_reqs * self.block_len)
+        if self.context_queue is not None:  # the steps that will flush it, not their profile
+            self.context_queue.warm_up()
         self.dummy_runs_draft = False
         try:
             tokens, target_s = _time_series(
