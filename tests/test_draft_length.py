@@ -17,6 +17,7 @@ class FixedPolicy:
         self.planned: list[list[str]] = []
         self.observed: list[tuple] = []
         self.idled = 0
+        self.sampled: set[str] = set()
 
     def plan(self, req_ids: list[str]) -> Plan:
         self.planned.append(req_ids)
@@ -30,6 +31,13 @@ class FixedPolicy:
 
     def idle(self) -> None:
         self.idled += 1
+
+    def request_added(self, req_id: str, sampled: bool) -> None:
+        if sampled:
+            self.sampled.add(req_id)
+
+    def request_freed(self, req_id: str) -> None:
+        self.sampled.discard(req_id)
 
 
 def request(req_id: str, drafts: int = K, prefill: bool = False, seed: int | None = None,
@@ -75,3 +83,14 @@ def test_observations_and_idle_reach_the_policy():
                                    drafted=True) is None
     assert policy.observed == [([("a", 7, 3)], 9, 2, True)]
     assert controller.idle() == "flushed" and policy.idled == 1
+
+
+def test_the_policy_knows_which_requests_sample():
+    policy = FixedPolicy([], num_draft=0)
+    controller = DraftLengthController(policy, K)
+    for r in (request("g"), request("t", temperature=0.7), request("s", seed=3, temperature=1.0),
+              request("e", temperature=1e-6)):  # below vLLM's sampling threshold: greedy
+        controller.added(r)
+    assert policy.sampled == {"t", "s"}
+    controller.freed(request("t", temperature=0.7))
+    assert policy.sampled == {"s"}

@@ -452,6 +452,37 @@ def test_a_held_choice_ends_when_its_drafts_stop_being_accepted(monkeypatch):
     assert not policy.drafting
 
 
+def test_sampled_requests_after_greedy_traffic_start_from_what_sampling_accepts():
+    # A greedy warm-up, then requests at T = 1, as the bench runs them. The sampled requests
+    # have no record of their own: they start from their class's prior, not from the greedy
+    # requests' 95%, and no request drafts the full block (with one class for all, all 16
+    # drafted 7). New greedy requests keep the full block; in a mixed batch each kind gets its
+    # own length.
+    greedy = [f"g{i}" for i in range(16)]
+    policy = DraftPolicy(7, TINY_PAIR)
+    run_steps(policy, dict.fromkeys(greedy, 0.95), steps=100)
+    sampled = [f"s{i}" for i in range(16)]
+    for req_id in sampled:
+        policy.request_added(req_id, sampled=True)
+    assert max(policy.plan(sampled).lengths) < 7
+    mixed = [f"h{i}" for i in range(8)] + sampled[:8]
+    lengths = policy.plan(mixed).lengths
+    assert lengths[:8] == [7] * 8 and max(lengths[8:]) < 7, lengths
+    assert policy.plan([f"n{i}" for i in range(16)]).lengths == [7] * 16
+    for req_id in sampled:
+        policy.request_freed(req_id)
+    assert policy.acceptance.sampled == set()
+
+
+def test_one_class_of_traffic_reads_as_the_engine():
+    # All requests sampled: the class's rate is the engine's, as without classes.
+    requests = {f"r{i}": 0.6 for i in range(8)}
+    plain, classed = DraftPolicy(7, TINY_PAIR), DraftPolicy(7, TINY_PAIR)
+    for req_id in requests:
+        classed.request_added(req_id, sampled=True)
+    assert run_steps(plain, requests, steps=300) == run_steps(classed, requests, steps=300)
+
+
 @pytest.mark.parametrize("acceptance", [0.3, 0.6, 0.9])
 def test_steady_traffic_keeps_its_acceptance_counts(monkeypatch, acceptance):
     # Drafts that accept as predicted, give or take their spread, never pass for changed

@@ -191,6 +191,12 @@ class DraftEveryFourthStep:
     def idle(self) -> None:
         pass
 
+    def request_added(self, req_id: str, sampled: bool) -> None:
+        pass
+
+    def request_freed(self, req_id: str) -> None:
+        pass
+
 
 def _script_policy(llm) -> None:
     from vllm_dflash.vllm import scheduler as scheduler_module

@@ -15,10 +15,17 @@ from typing import Any
 
 from vllm_dflash.draft_policy import DraftPolicy
 
+# vLLM decodes greedily below this temperature (its _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+
+
+def is_sampling(request: Any) -> bool:
+    params = request.sampling_params
+    return params is not None and params.temperature >= GREEDY_TEMPERATURE
+
 
 def is_seeded_sampling(request: Any) -> bool:
-    params = request.sampling_params
-    return params is not None and params.seed is not None and params.temperature > 0
+    return is_sampling(request) and request.sampling_params.seed is not None
 
 
 class DraftLengthController:
@@ -59,8 +66,10 @@ class DraftLengthController:
         return self.policy.summary(flush=True)
 
     def added(self, request: Any) -> None:
+        self.policy.request_added(request.request_id, is_sampling(request))
         if is_seeded_sampling(request):
             self.seeded.add(request.request_id)
 
     def freed(self, request: Any) -> None:
+        self.policy.request_freed(request.request_id)
         self.seeded.discard(request.request_id)
