@@ -56,7 +56,7 @@ class ContextQueue:
         size = min(1 << (n - 1).bit_length(), self.features.shape[0])
         slots = self.slots[:size]
         slots[n:] = -1
-        slots[:n][superseded_writes(slots[:n])] = -1
+        slots[:n].masked_fill_(superseded_writes(slots[:n]), -1)  # no host sync on CUDA
         self.num_tokens = 0
         self.inject(self.features[:size], self.positions[:size], slots)
 
