@@ -53,17 +53,21 @@ class ContextQueue:
         n = self.num_tokens
         if not n:
             return
-        size = min(1 << (n - 1).bit_length(), self.features.shape[0])
+        size = self._padded(n)
         slots = self.slots[:size]
         slots[n:] = -1
         slots[:n].masked_fill_(superseded_writes(slots[:n]), -1)  # no host sync on CUDA
         self.num_tokens = 0
         self.inject(self.features[:size], self.positions[:size], slots)
 
+    def _padded(self, num_tokens: int) -> int:
+        """The token count a flush of num_tokens injects: the next power of two, at most the
+        capacity."""
+        return min(1 << (num_tokens - 1).bit_length(), self.features.shape[0])
+
     def batch_sizes(self) -> list[int]:
         """Every token count a flush injects."""
-        capacity = self.features.shape[0]
-        return sorted({min(1 << i, capacity) for i in range(capacity.bit_length() + 1)})
+        return sorted({self._padded(n) for n in range(1, self.features.shape[0] + 1)})
 
     def warm_up(self) -> None:
         """Injects padding at every flush size: the GEMMs' one-time costs, paid at start-up."""

@@ -341,7 +341,9 @@ class DraftRunner:
         two points."""
         max_reqs = runner.max_num_reqs
         max_tokens = min(runner.max_num_tokens, max_reqs * self.block_len)
-        if self.context_queue is not None:  # the steps that will flush it, not their profile
+        if self.context_queue is not None:
+            # Its flushes' one-time costs, here rather than in the first steps that drafting
+            # resumes (adaptive engines only: with a fixed K every step drafts, none queues).
             self.context_queue.warm_up()
         self.dummy_runs_draft = False
         try:

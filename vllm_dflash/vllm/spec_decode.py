@@ -105,23 +105,19 @@ class DFlashProposer(SpecDecodeBaseProposer):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """KV injection of the step's tokens, for a step that drafts; returns their context
         states and 1-D positions."""
-        target_positions = text_positions(target_positions)
-        num_tokens = target_positions.shape[0]
-        ctx = self.draft_runner.inject_context(
-            target_hidden_states[:num_tokens], target_positions,
-            common_attn_metadata.slot_mapping[:num_tokens])
-        return ctx, target_positions
+        positions, slots = step_tokens(target_positions, common_attn_metadata)
+        ctx = self.draft_runner.inject_context(target_hidden_states[:len(positions)],
+                                               positions, slots)
+        return ctx, positions
 
     @torch.inference_mode()
     def queue_context(self, feature_chunks: list[torch.Tensor], target_positions: torch.Tensor,
                       common_attn_metadata: CommonAttentionMetadata) -> None:
         """A step that drafts nothing: its tokens' context waits for the next drafting step's
         injection. Alone, it is such a step (runner.py)."""
-        target_positions = text_positions(target_positions)
-        num_tokens = target_positions.shape[0]
-        self.draft_runner.queue_context(
-            [h[:num_tokens] for h in feature_chunks], target_positions,
-            common_attn_metadata.slot_mapping[:num_tokens])
+        positions, slots = step_tokens(target_positions, common_attn_metadata)
+        self.draft_runner.queue_context([h[:len(positions)] for h in feature_chunks],
+                                        positions, slots)
 
     @torch.inference_mode()
     def propose(
@@ -180,11 +176,14 @@ class DFlashProposer(SpecDecodeBaseProposer):
         self.draft_runner.dummy_run(num_tokens, sampling=self._enable_probabilistic_draft_probs)
 
 
-def text_positions(positions: torch.Tensor) -> torch.Tensor:
-    """M-RoPE targets (Qwen3-VL, Qwen3.5) give positions [sections, T]; a text token has the
-    same position in every section. The drafter's RoPE is 1-D: the first section, as for
-    vLLM's drafters."""
-    return positions[0] if positions.dim() == 2 else positions
+def step_tokens(positions: torch.Tensor, common_attn_metadata: CommonAttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's tokens' 1-D positions [T] and cache slots [T]. M-RoPE targets (Qwen3-VL,
+    Qwen3.5) give positions [sections, T]; a text token has the same position in every
+    section. The drafter's RoPE is 1-D: the first section, as for vLLM's drafters."""
+    if positions.dim() == 2:
+        positions = positions[0]
+    return positions, common_attn_metadata.slot_mapping[:positions.shape[0]]
 
 
 SUPPORTED_RUNNERS = ("GPUModelRunner (V1)", "CPUModelRunner")
