@@ -14,15 +14,19 @@ profiled), and 1.85 ms more in a drafting step (the rest of the modest drafter's
 excess at 8 requests). The policy must learn those two from the steps it runs.
 Fixed K = 0 (no speculation), 1, 3 and 7 run the same bursts. A burst is N requests of L
 tokens each at concurrency C (the queue refills the batch), after a warm-up burst of C
-requests x 16 tokens, as `vllm-dflash bench` runs them. Prints adaptive / best fixed choice,
-the median over --seeds bursts of each, for every drafter, burst and concurrency.
+requests x 16 tokens, as `vllm-dflash bench` runs them; once the queue is empty the policy
+is given each request's remaining tokens, as the engine's scheduler gives them. Prints
+adaptive / best fixed choice, the median over --seeds bursts of each, for every drafter,
+burst and concurrency.
 
-    python benchmarks/policy_sim.py [--seeds 5]
+    python benchmarks/policy_sim.py [--seeds 5] [--drafters "good per request,mixed"]
 """
 
 import argparse
+import json
 import random
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -33,10 +37,16 @@ from vllm_dflash.draft_policy import DraftPolicy, StepProfile
 HOST_S = 0.0010
 VERIFY_EXTRA_S = 0.00185
 # Conditional acceptance per draft position; "mixed" requests are easy, middling or hard.
+# The "per request" drafters draw each request's rates from those the tiny pair's requests
+# measured in the engine (benchmarks/tiny-request-rates.json): with the same mean, requests
+# differ far more than "mixed" ones, most of all at position 1.
+REQUEST_RATES = json.loads((Path(__file__).parent / "tiny-request-rates.json").read_text())
 DRAFTERS = {
     "good": lambda rng: [0.93, 0.85] + [0.95] * 5,
     "modest": lambda rng: [0.24, 0.38] + [0.92] * 5,
     "mixed": lambda rng: [rng.choice([0.95, 0.95, 0.95, 0.7, 0.3])] * 7,
+    "good per request": lambda rng: rng.choice(REQUEST_RATES["good"]),
+    "modest per request": lambda rng: rng.choice(REQUEST_RATES["modest"]),
 }
 BURSTS = {"short": (16, 64), "long": (32, 128)}
 CONCURRENCY = [1, 4, 8, 16, 32]
@@ -70,10 +80,12 @@ class Clock:
         return self.now
 
 
-def run_burst(choose: Callable[[list[str]], tuple[list[int], int]], policy: DraftPolicy | None,
+def run_burst(choose: Callable[[list[str], list[int] | None], tuple[list[int], int]],
+              policy: DraftPolicy | None,
               rates_of: Callable[[random.Random], list[float]], num_requests: int,
               tokens: int, concurrency: int, seed: int, clock: Clock) -> float:
-    """Output tokens per second of one burst; choose(request ids) -> (lengths, num_draft)."""
+    """Output tokens per second of one burst; choose(request ids, their remaining tokens
+    when no request waits) -> (lengths, num_draft)."""
     rng = random.Random(seed)
     queue = [(f"{seed}-{i}", rates_of(rng)) for i in range(num_requests)]
     running: dict[str, list] = {}  # request -> [rates, tokens left]
@@ -82,8 +94,12 @@ def run_burst(choose: Callable[[list[str]], tuple[list[int], int]], policy: Draf
         while queue and len(running) < concurrency:
             req_id, rates = queue.pop(0)
             running[req_id] = [rates, tokens]
+            if policy is not None:
+                policy.request_added(req_id, sampled=False)
         req_ids = list(running)
-        lengths, num_draft = choose(req_ids)
+        # With no request waiting, the policy plans the rest of the batch.
+        remaining = None if queue else [running[r][1] for r in req_ids]
+        lengths, num_draft = choose(req_ids, remaining)
         drafts = []
         for req_id, length in zip(req_ids, lengths):
             rates, left = running[req_id]
@@ -99,7 +115,10 @@ def run_burst(choose: Callable[[list[str]], tuple[list[int], int]], policy: Draf
         clock.now += step_s(len(req_ids), draft_tokens, num_draft > 0)
         if policy is not None:
             policy.observe(drafts, len(req_ids) + draft_tokens, len(req_ids), num_draft > 0)
-        running = {r: state for r, state in running.items() if state[1] > 0}
+        for req_id in [r for r, state in running.items() if state[1] <= 0]:
+            del running[req_id]
+            if policy is not None:
+                policy.request_freed(req_id)
         ready = num_draft
     if policy is not None:
         policy.idle()
@@ -114,15 +133,15 @@ def tokens_per_s(method: str, drafter: str, burst: str, concurrency: int, seed: 
     if method == "adaptive":
         policy = DraftPolicy(7, PROFILE)
 
-        def choose(req_ids: list[str]) -> tuple[list[int], int]:
-            plan = policy.plan(req_ids)
+        def choose(req_ids: list[str], remaining: list[int] | None) -> tuple[list[int], int]:
+            plan = policy.plan(req_ids, remaining)
             return plan.lengths, plan.num_draft
 
         run_burst(choose, policy, rates_of, concurrency, 16, concurrency, 1000 + seed, clock)
     else:
         policy, k = None, int(method)
 
-        def choose(req_ids: list[str]) -> tuple[list[int], int]:
+        def choose(req_ids: list[str], remaining: list[int] | None) -> tuple[list[int], int]:
             return [k] * len(req_ids), k
 
     return run_burst(choose, policy, rates_of, *BURSTS[burst], concurrency, seed, clock)
@@ -131,10 +150,12 @@ def tokens_per_s(method: str, drafter: str, burst: str, concurrency: int, seed: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--drafters", default=",".join(DRAFTERS),
+                        help="comma-separated, from " + ", ".join(DRAFTERS))
     args = parser.parse_args()
     print("| drafter | burst | " + " | ".join(f"C={c}" for c in CONCURRENCY) + " |")
     print("| --- " * (len(CONCURRENCY) + 2) + "|")
-    for drafter in DRAFTERS:
+    for drafter in args.drafters.split(","):
         for burst in BURSTS:
             cells = []
             for concurrency in CONCURRENCY:

@@ -15,12 +15,14 @@ class FixedPolicy:
     def __init__(self, lengths: list[int], num_draft: int) -> None:
         self.lengths, self.num_draft = lengths, num_draft
         self.planned: list[list[str]] = []
+        self.remaining: list[list[int] | None] = []
         self.observed: list[tuple] = []
         self.idled = 0
         self.sampled: set[str] = set()
 
-    def plan(self, req_ids: list[str]) -> Plan:
+    def plan(self, req_ids: list[str], remaining: list[int] | None = None) -> Plan:
         self.planned.append(req_ids)
+        self.remaining.append(remaining)
         return Plan(self.lengths[: len(req_ids)], self.num_draft)
 
     def observe(self, drafts, num_tokens, batch_size, drafted) -> None:
@@ -41,10 +43,22 @@ class FixedPolicy:
 
 
 def request(req_id: str, drafts: int = K, prefill: bool = False, seed: int | None = None,
-            temperature: float = 0.0) -> SimpleNamespace:
+            temperature: float = 0.0, max_tokens: int = 64,
+            num_output_tokens: int = 0) -> SimpleNamespace:
     return SimpleNamespace(
         request_id=req_id, spec_token_ids=list(range(drafts)), is_prefill_chunk=prefill,
+        max_tokens=max_tokens, num_output_tokens=num_output_tokens,
         sampling_params=SimpleNamespace(seed=seed, temperature=temperature))
+
+
+def test_a_batch_that_only_shrinks_is_planned_with_its_remaining_tokens():
+    policy = FixedPolicy([7, 7], num_draft=7)
+    controller = DraftLengthController(policy, K)
+    running = [request("a", num_output_tokens=10), request("b", max_tokens=32)]
+    controller.plan_step(running, waiting=[])
+    controller.plan_step(running, waiting=[request("w")])  # a request waits to join
+    controller.plan_step(running + [request("p", prefill=True)], waiting=[])  # one joins
+    assert policy.remaining == [[54, 32], None, None]
 
 
 def test_drafts_are_cut_to_the_planned_lengths():

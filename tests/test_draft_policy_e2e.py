@@ -175,7 +175,7 @@ class DraftEveryFourthStep:
     def __init__(self) -> None:
         self.steps = 0
 
-    def plan(self, req_ids: list[str]):
+    def plan(self, req_ids: list[str], remaining: list[int] | None = None):
         from vllm_dflash.draft_policy import Plan
 
         self.steps += 1

@@ -6,11 +6,12 @@ tokens the drafter proposes at the end of the step. Seeded sampling requests alw
 the full K: each verified draft token draws from the request's own generator, so its output
 is reproducible only if its draft lengths are, and measured step times are not.
 
-Requests are read by duck typing: `request_id`, `spec_token_ids`, `is_prefill_chunk` and
-`sampling_params` (`seed`, `temperature`), as vLLM's scheduler holds them.
+Requests are read by duck typing: `request_id`, `spec_token_ids`, `is_prefill_chunk`,
+`max_tokens`, `num_output_tokens` and `sampling_params` (`seed`, `temperature`), as vLLM's
+scheduler holds them.
 """
 
-from collections.abc import Iterable
+from collections.abc import Collection
 from typing import Any
 
 from vllm_dflash.draft_policy import DraftPolicy
@@ -36,12 +37,16 @@ class DraftLengthController:
         self.max_draft = max_draft
         self.seeded: set[str] = set()  # ids of the seeded sampling requests held
 
-    def plan_step(self, running: list[Any], waiting: Iterable[Any]) -> int:
+    def plan_step(self, running: list[Any], waiting: Collection[Any]) -> int:
         """Cuts each running decoding request's drafts to its length for the coming step;
         returns how many draft tokens the drafter proposes at its end."""
         decoding = [r for r in running if not r.is_prefill_chunk]
         adaptive = [r for r in decoding if not is_seeded_sampling(r)]
-        plan = self.policy.plan([r.request_id for r in adaptive])
+        # No request waits or is still prefilling: the batch only shrinks from here, and the
+        # policy plans for the time it takes to finish (the most tokens each may still emit).
+        closed = not waiting and len(decoding) == len(running)
+        remaining = [r.max_tokens - r.num_output_tokens for r in adaptive] if closed else None
+        plan = self.policy.plan([r.request_id for r in adaptive], remaining)
         for request, length in zip(adaptive, plan.lengths):
             if len(request.spec_token_ids) > length:
                 request.spec_token_ids = request.spec_token_ids[:length]

@@ -21,13 +21,24 @@ maximises tokens per second of the batch, choosing each k_r from a small fixed s
 (0, 1, 3, 7, ..., K) so that the shapes the target and drafter see stay few. k_r = 0 is plain
 decoding; when every k_r is 0 the drafter is skipped (and the step runs as a plain step).
 
+When no request waits to join the batch, tokens per step is the wrong goal: the batch ends
+with its slowest request, and the tokens a fast request's drafts win early shorten nothing
+while the steps that verify them cost. Then the policy plans the rest of the batch: for each
+finish within N steps, every request drafts the shortest length that covers its remaining
+tokens in N steps, and it picks the N whose plan finishes soonest, reading each request's rate
+as low as the slowest of n requests may turn out (DraftPolicy._finish_together). How far a
+request's first drafts move its own rate depends on how much finished requests differed
+(request_prior_weight).
+
 Pure Python + numpy: no vLLM, no device work, no synchronisation. vLLM's scheduler calls it
 (vllm/scheduler.py), where acceptance counts and step times are already on the host.
 """
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 
@@ -45,9 +56,18 @@ OPTIMISM = 0.5
 # (memory of ~30 drafts): traffic changes, and requests change character within a response.
 GLOBAL_DECAY = 0.995
 REQUEST_DECAY = 0.97
-# A request's own rate is shrunk towards the engine's with this many pseudo-positions: one
-# rejected block says little about the next, a persistent difference over dozens does.
+# A request's own rate is shrunk towards its class's with a Beta prior of this many
+# pseudo-positions, as wide as the rates of the requests that finished before it are spread
+# (empirical Bayes, request_prior_weight): where requests differ widely (the tiny pair's
+# first-position rates run from 0.05 to 0.97) a request's first drafts tell it apart; where
+# they differ little, one rejected block says little about the next. Until
+# MIN_FINISHED_REQUESTS of a class have finished, the prior weighs REQUEST_PRIOR_WEIGHT;
+# then between MIN_ and MAX_REQUEST_PRIOR_WEIGHT.
 REQUEST_PRIOR_WEIGHT = 32.0
+MIN_REQUEST_PRIOR_WEIGHT = 2.0
+MAX_REQUEST_PRIOR_WEIGHT = 256.0
+MIN_FINISHED_REQUESTS = 8
+FINISHED_REQUESTS = 64  # the finished requests per class the spread is measured over
 # Per-step decay of the step-time statistics (memory of ~200 steps).
 COST_DECAY = 0.995
 # Drafting switches on or off only when the other choice is predicted this much faster:
@@ -60,6 +80,10 @@ SWITCH_MARGIN = 0.03
 # even a drafter accepted at every position would not pay (DraftPolicy.could_pay).
 EXPLORE_INTERVAL = 16
 EXPLORE_FIRST_STEP = 2
+# Requests an exploring step gives the full block, in turn: steps that verify different
+# numbers of drafts let the cost fit tell a draft token's cost from a drafter run's, which
+# steps that always verify one request's block cannot.
+EXPLORE_WIDTHS = (1, 2, 4)
 # While drafting stays off, each choice that keeps it off doubles that interval, up to this:
 # an exploration needs a drafter run for the whole batch, a cost that buys nothing while the
 # drafts do not pay. Drafting again (even short) brings the interval back to EXPLORE_INTERVAL.
@@ -88,6 +112,8 @@ HOLD_MIN_REMAINING = 0.75
 # reads the new drafts instead of holding or relearning the old lengths for dozens of steps.
 DISPROVE_Z = 4.0
 DISPROVE_MIN_DRAFTS = 8
+# Finish times a batch with no request waiting is planned for (DraftPolicy._finish_together).
+FINISH_CANDIDATES = 16
 # Step shapes (query tokens, requests, drafter ran) remembered as run before; past this many,
 # every shape counts as run before (their one-time costs are long paid).
 MAX_SHAPES_SEEN = 65536
@@ -245,6 +271,10 @@ class AcceptanceModel:
         self.sampled: set[str] = set()  # requests that sample (the others are greedy)
         # [greedy, sampled] x [positions reached, accepted], decayed as the tables are.
         self.by_class = np.zeros((2, 2))
+        # Per class: the (reached, accepted) counts of the last requests that finished, and
+        # the weight of a request's prior that their spread gives.
+        self.finished = (deque(maxlen=FINISHED_REQUESTS), deque(maxlen=FINISHED_REQUESTS))
+        self.request_prior = np.full(2, REQUEST_PRIOR_WEIGHT)
 
     def observe(self, drafts: list[tuple[str, int, int]]) -> None:
         """drafts: (request id, draft tokens verified, draft tokens accepted) of one step."""
@@ -287,9 +317,11 @@ class AcceptanceModel:
         mean, std = self.posterior()
         return np.minimum(mean + OPTIMISM * std, 1.0)
 
-    def expected_accepted(self, req_ids: list[str]) -> np.ndarray:
-        """[n, max_draft + 1]: E_r(k) for k = 0..max_draft, as decisions read the rates."""
-        reach = np.cumprod(self._request_rates(req_ids, self.rates()), axis=1)
+    def expected_accepted(self, req_ids: list[str], low: float = 0.0) -> np.ndarray:
+        """[n, max_draft + 1]: E_r(k) for k = 0..max_draft, as decisions read the rates;
+        each request's own rate taken `low` of its posterior standard deviations below its
+        mean."""
+        reach = np.cumprod(self._request_rates(req_ids, self.rates(), low), axis=1)
         return _with_zero_draft(np.cumsum(reach, axis=1))
 
     def accepted_moments(self, req_ids: list[str]
@@ -311,8 +343,10 @@ class AcceptanceModel:
         error = np.sqrt(((slopes * std) ** 2).sum(axis=2))
         return mean, _with_zero_draft(variance), _with_zero_draft(error)
 
-    def _request_rates(self, req_ids: list[str], position_rates: np.ndarray) -> np.ndarray:
-        """[n, max_draft]: the engine's per-position rates, shifted to each request."""
+    def _request_rates(self, req_ids: list[str], position_rates: np.ndarray,
+                       low: float = 0.0) -> np.ndarray:
+        """[n, max_draft]: the engine's per-position rates, shifted to each request (its own
+        rate `low` posterior standard deviations below its mean)."""
         overall = (self.accepted.sum() + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (
             self.reached.sum() + PRIOR_WEIGHT)
         # Each class's rate, from the prior where it has no drafts yet; with one class of
@@ -321,12 +355,22 @@ class AcceptanceModel:
             self.by_class[:, 0] + PRIOR_WEIGHT)
         classes = np.array([r in self.sampled for r in req_ids], dtype=np.int64)
         own = np.array([self.requests.get(r, (0.0, 0.0)) for r in req_ids]).reshape(-1, 2)
-        own_rate = (own[:, 1] + class_rate[classes] * REQUEST_PRIOR_WEIGHT) / (
-            own[:, 0] + REQUEST_PRIOR_WEIGHT)
+        prior = self.request_prior[classes]
+        own_rate = (own[:, 1] + class_rate[classes] * prior) / (own[:, 0] + prior)
+        own_rate -= low * np.sqrt(own_rate * (1 - own_rate) / (own[:, 0] + prior + 1))
         # A request's own rate, shrunk towards its class's, shifts every position's log-odds
         # by its own log-odds against the engine's: easy requests approach 1 at every position.
         shift = _logit(own_rate) - _logit(overall)
         return _sigmoid(_logit(position_rates)[None, :] + shift[:, None])
+
+    def finish(self, req_id: str) -> None:
+        """A request ended: its counts join its class's record of how requests differ."""
+        cls = int(req_id in self.sampled)
+        self.sampled.discard(req_id)
+        counts = self.requests.pop(req_id, None)
+        if counts is not None and counts[0] >= 1.0:
+            self.finished[cls].append(counts)
+            self.request_prior[cls] = request_prior_weight(np.array(self.finished[cls]))
 
     def forget(self) -> None:
         """Drops every count: they describe traffic that has changed (_Choice.disproved)."""
@@ -334,10 +378,34 @@ class AcceptanceModel:
         self.accepted[:] = 0.0
         self.by_class[:] = 0.0
         self.requests = {}
+        for finished in self.finished:
+            finished.clear()
+        self.request_prior[:] = REQUEST_PRIOR_WEIGHT
 
     def forget_except(self, req_ids: list[str]) -> None:
         keep = set(req_ids)
         self.requests = {r: v for r, v in self.requests.items() if r in keep}
+
+
+def request_prior_weight(finished: np.ndarray) -> float:
+    """The weight of the Beta prior whose spread is that of the finished requests' rates
+    beyond what chance explains. finished: [n, 2] positions reached and accepted per request.
+    Method of moments: with rates p_i = a_i / r_i around the pooled m, the weighted sum
+    S = sum r_i (p_i - m)^2 expects (n - 1) m (1 - m) from chance alone, plus
+    tau^2 (sum r_i - sum r_i^2 / sum r_i) from a spread tau^2 between requests; a Beta prior
+    of weight w has the spread m (1 - m) / (w + 1)."""
+    if len(finished) < MIN_FINISHED_REQUESTS:
+        return REQUEST_PRIOR_WEIGHT
+    reached, accepted = finished[:, 0], finished[:, 1]
+    total = reached.sum()
+    m = accepted.sum() / total
+    spread = reached @ (accepted / reached - m) ** 2
+    chance = (len(reached) - 1) * m * (1 - m)
+    tau2 = (spread - chance) / (total - reached @ reached / total)
+    if tau2 <= 0:
+        return MAX_REQUEST_PRIOR_WEIGHT
+    return float(np.clip(m * (1 - m) / tau2 - 1, MIN_REQUEST_PRIOR_WEIGHT,
+                         MAX_REQUEST_PRIOR_WEIGHT))
 
 
 def _with_zero_draft(per_length: np.ndarray) -> np.ndarray:
@@ -434,8 +502,10 @@ class DraftPolicy:
         self.step_start = 0.0
         self.report = _Report(self.levels)
 
-    def plan(self, req_ids: list[str]) -> Plan:
-        """Draft lengths for the decoding requests req_ids of the coming step."""
+    def plan(self, req_ids: list[str], remaining: list[int] | None = None) -> Plan:
+        """Draft lengths for the decoding requests req_ids of the coming step. remaining:
+        the most tokens each may still emit, given when no request waits to join the batch
+        (then the batch's finish time decides, choose)."""
         max_draft = int(self.levels[-1])
         if self.last_step_end is None:
             self.step_start = time.perf_counter()
@@ -456,7 +526,7 @@ class DraftPolicy:
             # One length for the whole batch holds for requests that join it, too.
             lengths = np.full(len(req_ids), chosen.lengths[0])
         else:
-            lengths = self.choose(req_ids)
+            lengths = self.choose(req_ids, remaining)
             self.chosen = _Choice(batch, lengths.copy(), self.steps, self._hold(chosen, lengths),
                                   *self._prediction(req_ids))
         num_draft = int(lengths.max())
@@ -464,11 +534,11 @@ class DraftPolicy:
             lengths[:], num_draft = 0, 0  # a plain step: the fit's measure without drafts
         elif num_draft < max_draft and self.exploring:
             if self.acceptance.unproven:
-                # Until the first drafts outweigh the prior, one request in turn explores at
+                # Until the first drafts outweigh the prior, requests in turn explore at
                 # every step, and the drafter runs for the next: a strong drafter is found
                 # within a few steps of a burst's start.
                 if self.steps >= EXPLORE_FIRST_STEP:
-                    lengths[self.steps % len(req_ids)] = max_draft
+                    self._explore(lengths, self.steps)
                 num_draft = max_draft
             else:
                 interval = self.explore_interval  # a power of 2: its phases stay aligned
@@ -476,9 +546,16 @@ class DraftPolicy:
                 if phase == interval - 1:
                     num_draft = max_draft  # full drafts ready for the exploring step
                 elif phase == 0:
-                    lengths[(self.steps // interval) % len(req_ids)] = max_draft
+                    self._explore(lengths, self.steps // interval)
         self.report.add(lengths, num_draft > 0)
         return Plan(lengths.tolist(), num_draft)
+
+    def _explore(self, lengths: np.ndarray, turn: int) -> None:
+        """Gives the full block to EXPLORE_WIDTHS[turn] requests (cyclically), from request
+        `turn` on."""
+        width = min(EXPLORE_WIDTHS[turn % len(EXPLORE_WIDTHS)], len(lengths))
+        first = turn % len(lengths)
+        lengths[np.arange(first, first + width) % len(lengths)] = self.levels[-1]
 
     def _hold(self, last: _Choice | None, lengths: np.ndarray) -> int:
         """How many steps a new choice of lengths holds."""
@@ -492,11 +569,35 @@ class DraftPolicy:
             return min(2 * last.hold, MAX_HOLD)
         return REPLAN_INTERVAL
 
-    def choose(self, req_ids: list[str]) -> np.ndarray:
-        """[n] draft lengths that maximise predicted tokens per second."""
+    def choose(self, req_ids: list[str], remaining: list[int] | None = None) -> np.ndarray:
+        """[n] draft lengths that maximise predicted tokens per second: of this step while
+        requests wait to join the batch, of the rest of the batch when none does (remaining
+        given: each request's most tokens left)."""
         self._absorb()
         n = len(req_ids)
-        expected = self.acceptance.expected_accepted(req_ids)[:, self.levels]  # [n, L]
+        if remaining is not None and n > 1:
+            # The batch ends with its slowest request: each request is planned at a rate that
+            # the slowest of n requests reaches, given how little is known of each.
+            low = NormalDist().inv_cdf(1 - 1 / (n + 1))
+            expected = self.acceptance.expected_accepted(req_ids, low)[:, self.levels]
+            lengths, on, off = self._finish_together(
+                expected, np.maximum(np.asarray(remaining, dtype=float), 1.0))
+        else:
+            expected = self.acceptance.expected_accepted(req_ids)[:, self.levels]  # [n, L]
+            lengths, on, off = self._fastest_step(expected)
+        self.exploring = self.could_pay(n, off)
+        if self.drafting:  # stop only when plain decoding is clearly faster, and vice versa
+            self.drafting = not off > on * (1.0 + SWITCH_MARGIN)
+        else:
+            self.drafting = on > off * (1.0 + SWITCH_MARGIN)
+            self.explore_interval = (EXPLORE_INTERVAL if self.drafting else
+                                     min(2 * self.explore_interval, MAX_EXPLORE_INTERVAL))
+        return lengths if self.drafting else np.zeros(n, dtype=lengths.dtype)
+
+    def _fastest_step(self, expected: np.ndarray) -> tuple[np.ndarray, float, float]:
+        """The drafting plan of the most tokens per second this step, its rate, and the rate
+        of a step without drafts."""
+        n = len(expected)
         # One length for the whole batch (what a fixed K is), at every level; level 0 is off.
         rates = (n + expected.sum(axis=0)) / self.cost.predict(
             n + n * self.levels, n * self.levels, n, self.levels > 0)
@@ -507,15 +608,31 @@ class DraftPolicy:
         per_request, per_request_rate = self._per_request(expected)
         if per_request_rate > on * (1.0 + SWITCH_MARGIN):
             lengths, on = per_request, per_request_rate
-        off = rates[0]
-        self.exploring = self.could_pay(n, off)
-        if self.drafting:  # stop only when plain decoding is clearly faster, and vice versa
-            self.drafting = not off > on * (1.0 + SWITCH_MARGIN)
-        else:
-            self.drafting = on > off * (1.0 + SWITCH_MARGIN)
-            self.explore_interval = (EXPLORE_INTERVAL if self.drafting else
-                                     min(2 * self.explore_interval, MAX_EXPLORE_INTERVAL))
-        return lengths if self.drafting else np.zeros(n, dtype=lengths.dtype)
+        return lengths, on, float(rates[0])
+
+    def _finish_together(self, expected: np.ndarray, remaining: np.ndarray
+                         ) -> tuple[np.ndarray, float, float]:
+        """The drafting plan that finishes the batch soonest, its rate over the batch's
+        remaining tokens, and that of plain decoding.
+
+        With no request waiting, the batch ends when its slowest request does: a token that
+        a fast request's drafts win early shortens nothing, and costs the steps that verify
+        it. For a finish within N steps, each request drafts the shortest length whose
+        expected tokens per step, 1 + E_r(k), cover its remaining tokens in N steps; the
+        batch then runs about N steps of that plan. N is chosen from the finish times
+        between every request at the full block and plain decoding's max(remaining)."""
+        n = len(expected)
+        steps_needed = remaining[:, None] / (1.0 + expected)  # [n, L]
+        soonest, plain = steps_needed[:, -1].max(), remaining.max()
+        finishes = np.append(np.geomspace(soonest, plain, FINISH_CANDIDATES - 1), plain)
+        fits = steps_needed[None, :, :] <= finishes[:, None, None] * (1 + 1e-9)  # [F, n, L]
+        lengths = self.levels[fits.argmax(axis=2)]  # the shortest that fits, [F, n]
+        draft_tokens = lengths.sum(axis=1)
+        seconds = finishes * self.cost.predict(n + draft_tokens, draft_tokens, n,
+                                               draft_tokens > 0)
+        rates = remaining.sum() / seconds
+        best = int(np.argmax(np.where(draft_tokens > 0, rates, -np.inf)))
+        return lengths[best], float(rates[best]), float(rates[-1])
 
     def _prediction(self, req_ids: list[str]) -> tuple[list[float], list[float], list[float]]:
         """max_draft + 1 each, means over the batch: the tokens a draft of each length
@@ -591,7 +708,9 @@ class DraftPolicy:
             self.acceptance.sampled.add(req_id)
 
     def request_freed(self, req_id: str) -> None:
-        self.acceptance.sampled.discard(req_id)
+        self.acceptance.observe(self.pending_drafts)  # its last drafts count too
+        self.pending_drafts = []
+        self.acceptance.finish(req_id)
 
     def idle(self) -> None:
         """No requests left: the gap until the next step is not a step's cost."""
