@@ -583,7 +583,10 @@ class DraftPolicy:
             lengths, on, off = self._finish_together(
                 expected, np.maximum(np.asarray(remaining, dtype=float), 1.0))
         else:
-            expected = self.acceptance.expected_accepted(req_ids)[:, self.levels]  # [n, L]
+            # A request is read OPTIMISM of its own standard deviations above its mean, as
+            # positions are: one whose first drafts failed is not written off before its
+            # next ones.
+            expected = self.acceptance.expected_accepted(req_ids, -OPTIMISM)[:, self.levels]
             lengths, on, off = self._fastest_step(expected)
         self.exploring = self.could_pay(n, off)
         if self.drafting:  # stop only when plain decoding is clearly faster, and vice versa
