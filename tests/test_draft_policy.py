@@ -394,6 +394,31 @@ def test_requests_that_differ_widely_are_told_apart_from_their_first_drafts():
                                                              for i in range(4)), lengths
 
 
+def _easy_and_hard(policy: DraftPolicy) -> dict[str, float]:
+    """Four requests that accept nearly every draft and four that accept almost none, their
+    rates learned over 300 steps."""
+    acceptance = {f"easy{i}": 0.97 for i in range(4)} | {f"hard{i}": 0.05 for i in range(4)}
+    run_steps(policy, acceptance, steps=300)
+    return acceptance
+
+
+def test_a_batch_no_request_waits_to_join_drafts_nothing_its_slowest_cannot_use():
+    # A compute-bound target: drafts for the easy requests pay per step, but the hard ones
+    # set the batch's finish, and drafts cannot bring it closer.
+    policy = DraftPolicy(7, profile(0.002, 0.0002))
+    requests = list(_easy_and_hard(policy))
+    assert min(policy.choose(requests).tolist()[:4]) == 7  # requests wait: tokens per second
+    assert policy.choose(requests, remaining=[64] * 8).tolist() == [0] * 8
+
+
+def test_a_batch_no_request_waits_to_join_keeps_drafts_that_cost_little():
+    # Steps cost the same whatever their size: the easy requests' drafts barely move the
+    # batch's finish, and they keep them.
+    policy = DraftPolicy(7, profile(0.010, 0.000001))
+    requests = list(_easy_and_hard(policy))
+    assert min(policy.choose(requests, remaining=[64] * 8).tolist()[:4]) == 7
+
+
 def test_stable_near_the_break_even_point():
     # Drafting and plain decoding nearly tie: noisy measurements must not flip the decision
     # step to step.

@@ -575,19 +575,23 @@ class DraftPolicy:
         given: each request's most tokens left)."""
         self._absorb()
         n = len(req_ids)
+        # A request is read OPTIMISM of its own standard deviations above its mean, as
+        # positions are: one whose first drafts failed is not written off before its next.
+        expected = self.acceptance.expected_accepted(req_ids, -OPTIMISM)[:, self.levels]
+        lengths, on, off = self._fastest_step(expected)
         if remaining is not None and n > 1:
             # The batch ends with its slowest request: each request is planned at a rate that
             # the slowest of n requests reaches, given how little is known of each.
             low = NormalDist().inv_cdf(1 - 1 / (n + 1))
-            expected = self.acceptance.expected_accepted(req_ids, low)[:, self.levels]
-            lengths, on, off = self._finish_together(
-                expected, np.maximum(np.asarray(remaining, dtype=float), 1.0))
-        else:
-            # A request is read OPTIMISM of its own standard deviations above its mean, as
-            # positions are: one whose first drafts failed is not written off before its
-            # next ones.
-            expected = self.acceptance.expected_accepted(req_ids, -OPTIMISM)[:, self.levels]
-            lengths, on, off = self._fastest_step(expected)
+            slowest = self.acceptance.expected_accepted(req_ids, low)[:, self.levels]
+            finish, on, off = self._finish_together(
+                slowest, np.maximum(np.asarray(remaining, dtype=float), 1.0))
+            # Requests the plan lets draft less than the fastest step would keep their longer
+            # drafts where that costs the step little (a memory-bound step): their own
+            # latency is not given up for a finish time it barely moves.
+            longer = np.maximum(finish, lengths)
+            lengths = longer if self._step_s(longer) <= self._step_s(finish) * (
+                1.0 + SWITCH_MARGIN) else finish
         self.exploring = self.could_pay(n, off)
         if self.drafting:  # stop only when plain decoding is clearly faster, and vice versa
             self.drafting = not off > on * (1.0 + SWITCH_MARGIN)
@@ -596,6 +600,11 @@ class DraftPolicy:
             self.explore_interval = (EXPLORE_INTERVAL if self.drafting else
                                      min(2 * self.explore_interval, MAX_EXPLORE_INTERVAL))
         return lengths if self.drafting else np.zeros(n, dtype=lengths.dtype)
+
+    def _step_s(self, lengths: np.ndarray) -> float:
+        """The predicted seconds of a step that verifies these draft lengths."""
+        n, draft_tokens = len(lengths), int(lengths.sum())
+        return float(self.cost.predict(n + draft_tokens, draft_tokens, n, draft_tokens > 0))
 
     def _fastest_step(self, expected: np.ndarray) -> tuple[np.ndarray, float, float]:
         """The drafting plan of the most tokens per second this step, its rate, and the rate
