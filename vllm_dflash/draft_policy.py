@@ -73,11 +73,12 @@ COST_DECAY = 0.995
 # Drafting switches on or off only when the other choice is predicted this much faster:
 # no flapping between settings step to step when the two are close.
 SWITCH_MARGIN = 0.03
-# While no request drafts the full block, one request in turn drafts it every EXPLORE_INTERVAL
+# While no request drafts the full block, requests in turn draft it every EXPLORE_INTERVAL
 # steps, the first time at step EXPLORE_FIRST_STEP: acceptance at every position stays
 # measured, so a policy that starts without drafting, stopped or drafts short sees when drafting
-# deeper would pay. Costs one drafter run and K extra tokens per interval, and is skipped where
-# even a drafter accepted at every position would not pay (DraftPolicy.could_pay).
+# deeper would pay. Costs one drafter run and K extra tokens per exploring request per
+# interval, and is skipped where even a drafter accepted at every position would not pay
+# (DraftPolicy.could_pay).
 EXPLORE_INTERVAL = 16
 EXPLORE_FIRST_STEP = 2
 # Requests an exploring step gives the full block, in turn: steps that verify different
