@@ -36,7 +36,7 @@ def request_drafts(target: str, draft: str, prompts: list[str], max_tokens: int,
     from vllm import LLM, SamplingParams
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_dflash.vllm.scheduler import _verified_drafts
+    from vllm_dflash.vllm.scheduler import verified_drafts
 
     llm = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=1024,
               max_num_seqs=len(prompts), seed=0,
@@ -45,7 +45,7 @@ def request_drafts(target: str, draft: str, prompts: list[str], max_tokens: int,
     steps, update = [], Scheduler.update_from_output
 
     def recording_update(self, scheduler_output, model_runner_output):
-        steps.append(_verified_drafts(scheduler_output, model_runner_output))
+        steps.append(verified_drafts(scheduler_output, model_runner_output))
         return update(self, scheduler_output, model_runner_output)
 
     Scheduler.update_from_output = recording_update

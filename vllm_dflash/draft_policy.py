@@ -580,7 +580,7 @@ class DraftPolicy:
         # positions are: one whose first drafts failed is not written off before its next.
         expected = self.acceptance.expected_accepted(req_ids, -OPTIMISM)[:, self.levels]
         lengths, on, off = self._fastest_step(expected)
-        if remaining is not None and n > 1:
+        if remaining is not None and n > 1:  # one request: both goals are its own speed
             # The batch ends with its slowest request: each request is planned at a rate that
             # the slowest of n requests reaches, given how little is known of each.
             low = NormalDist().inv_cdf(1 - 1 / (n + 1))

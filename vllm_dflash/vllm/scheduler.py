@@ -91,7 +91,7 @@ def patch_scheduler() -> None:
         controller = _controllers.get(self)
         if controller is not None:
             _log(controller.observe_step(
-                _verified_drafts(scheduler_output, model_runner_output),
+                verified_drafts(scheduler_output, model_runner_output),
                 num_tokens=scheduler_output.total_num_scheduled_tokens,
                 batch_size=len(scheduler_output.num_scheduled_tokens),
                 drafted=scheduler_output.num_spec_tokens_to_schedule > 0))
@@ -119,7 +119,7 @@ def patch_scheduler() -> None:
     Scheduler._free_request = free_request_noting_seeded
 
 
-def _verified_drafts(scheduler_output, model_runner_output) -> list[tuple[str, int, int]]:
+def verified_drafts(scheduler_output, model_runner_output) -> list[tuple[str, int, int]]:
     """(request, drafts verified, drafts accepted) of each request that verified drafts."""
     sampled = model_runner_output.sampled_token_ids
     index = model_runner_output.req_id_to_index
