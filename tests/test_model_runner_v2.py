@@ -31,6 +31,10 @@ K = 7
 MAX_TOKENS = 24
 LONG_TOKENS = 96
 PROBABILISTIC = {"draft_sample_method": "probabilistic"}
+# Each sampled draft token is an interpreted Triton kernel (MRV2's Gumbel sampling) that
+# costs tens of ms here: shorter seeded runs, and no batch of greedy requests alone (the
+# seeded run has greedy requests too).
+SAMPLED_DRAFTS_RUN = {"speculative": PROBABILISTIC, "max_tokens": 12, "skip_batch": True}
 PROMPT_EMBEDS = {"enable_prompt_embeds": True}
 
 RUNS = """
@@ -121,7 +125,8 @@ for run in case["runs"]:
         out["alone"] = [generate_ids(llm, [p], max_tokens=case["max_tokens"], ignore_eos=True)[0]
                         for p in prompts[:run["alone"]]]
     if run.get("seeded"):
-        seeded = measured(llm, lambda: seeded_and_greedy_twice(llm, prompts, case["max_tokens"]),
+        max_tokens = run.get("max_tokens", case["max_tokens"])
+        seeded = measured(llm, lambda: seeded_and_greedy_twice(llm, prompts, max_tokens),
                           run["drafter"] is not None)
         out["seeded"] = seeded.pop("out")
         out["seeded_spec"] = seeded
@@ -177,7 +182,7 @@ def ours(prompts) -> dict:
         {"name": "adaptive", "drafter": str(TRAINED.drafter),
          "env": {"VLLM_DFLASH_DRAFT_LENGTH": "adaptive"}},
         {"name": "probabilistic", "drafter": str(TRAINED.drafter), "seeded": True,
-         "speculative": PROBABILISTIC},
+         **SAMPLED_DRAFTS_RUN},
         {"name": "dflash2", "drafter": str(TRAINED_DFLASH2.drafter)},
         {"name": "lilicorr", "drafter": str(TRAINED_LILICORR.drafter)},
         {"name": "async", "drafter": str(TRAINED.drafter), "alone": 2,
@@ -191,7 +196,7 @@ def in_tree(prompts) -> dict:
     """vLLM's own MRV2 DFlash on the same drafter (the plugin steps aside)."""
     runs = [{"name": "dflash", "drafter": str(TRAINED.drafter)},
             {"name": "probabilistic", "drafter": str(TRAINED.drafter), "seeded": True,
-             "speculative": PROBABILISTIC}]
+             **SAMPLED_DRAFTS_RUN}]
     return mrv2_runs(runs, prompts, {"VLLM_USE_V2_MODEL_RUNNER": "1",
                                      "VLLM_DFLASH_IMPL": "vllm"})
 
@@ -268,10 +273,10 @@ def test_sampled_drafts_are_lossless_and_draw_as_in_tree(ours, in_tree):
     vllm-dflash's sampled drafts are vLLM's in-tree ones, so seeded requests give the same
     tokens and verification the same counts; greedy requests keep the greedy tokens."""
     mine, theirs = ours["probabilistic"], in_tree["probabilistic"]
-    assert mine["batch"] == ours["plain"]["batch"]
     first, second = mine["seeded"]
     assert first == second
-    assert [first[i] for i in range(0, len(first), 2)] == ours["plain"]["batch"][::2]
+    assert [first[i] for i in range(0, len(first), 2)] == [
+        tokens[:len(first[0])] for tokens in ours["plain"]["batch"][::2]]
     assert mine["seeded"] == theirs["seeded"]
     assert mine["seeded_spec"] == theirs["seeded_spec"]
     # Sampled drafts, not greedy ones: at T = 1 more of them are accepted (1.38 against 1.11

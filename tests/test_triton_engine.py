@@ -21,6 +21,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_NEW_TOKENS = 32
+# Sampled requests accept few drafts, so each token is an interpreted step: fewer, shorter ones.
+NUM_SAMPLED, SAMPLED_TOKENS = 4, 16
 # Prompts also run alone, the one-token prompt among them (interpreted steps are slow).
 NUM_ALONE = 3
 MAX_NUM_SEQS = 8  # DraftGraphs pads every step up to a captured size; keep the largest small
@@ -154,19 +156,21 @@ def run_checks(result_path: str) -> None:
         # the torch reference accept and recover the same tokens.
         from vllm import SamplingParams
 
+        sampled = prompts[-NUM_SAMPLED:]  # the one-token prompt among them
         params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=seed,
-                                 max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-                  for seed in range(len(prompts))]
+                                 max_tokens=SAMPLED_TOKENS, ignore_eos=True)
+                  for seed in range(len(sampled))]
         outputs = {}
         for walk in ("triton", "reference", "triton"):
             routes.use(walk)
-            results = llm.generate(prompts, params, use_tqdm=False)
+            results = llm.generate(sampled, params, use_tqdm=False)
             outputs.setdefault(walk, []).append([list(r.outputs[0].token_ids) for r in results])
         routes.use("triton")
         first, again = outputs["triton"]
         assert first == again, "seeded sampling is not reproducible"
         assert first == outputs["reference"][0], "Triton walk != torch reference walk"
-        assert first != want, "sampling returned the greedy output"
+        greedy_start = [tokens[:SAMPLED_TOKENS] for tokens in want[-NUM_SAMPLED:]]
+        assert first != greedy_start, "sampling returned the greedy output"
 
     results = {}
     for check in (greedy_triton, greedy_draft_graphs, seeded_sampling_walks_agree):
