@@ -30,9 +30,6 @@ from tests.engines import (
     run_python,
 )
 
-SETTLE_TIMEOUT_S = 120
-
-
 # ---- helpers ----------------------------------------------------------------------------------
 
 
@@ -575,22 +572,6 @@ def test_corrupted_drafter_weights_keep_output(trained_pair, baseline, prompts, 
         del llm
 
 
-def metric(server, name: str) -> float:
-    """A vLLM gauge or counter from the server's /metrics (label sets summed)."""
-    values = [float(line.rsplit(" ", 1)[1]) for line in server.get("/metrics").splitlines()
-              if line.startswith((name + "{", name + " "))]
-    assert values, name
-    return sum(values)
-
-
-def wait_idle(server) -> None:
-    deadline = time.monotonic() + SETTLE_TIMEOUT_S
-    while (metric(server, "vllm:num_requests_running")
-           or metric(server, "vllm:num_requests_waiting")):
-        assert time.monotonic() < deadline, "requests still running"
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def server(random_pair, tmp_path_factory):
     from tests.test_serve import START_TIMEOUT_S, Server
@@ -607,7 +588,7 @@ def server(random_pair, tmp_path_factory):
 
 def test_disconnected_streaming_clients_free_their_requests(server, random_pair):
     from tests.engines import prompts_of_lengths
-    from tests.test_serve import server_model
+    from tests.test_serve import metric, server_model, wait_idle
 
     model = server_model(server)
     check = {"model": model, "prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0.0}
