@@ -10,6 +10,7 @@ loosely (TOLERANCE); a drafter fed the wrong context, layer or position in bf16 
 from functools import partial
 
 import pytest
+import torch
 
 from tests.engines import (
     TRAINED,
@@ -24,6 +25,8 @@ from tests.engines import (
 MAX_NEW_TOKENS = 48
 K = TRAINED.block_size - 1
 TOLERANCE = 0.3
+# Only the drafts' logits rounded: a near-tied draft may flip, nothing else changes.
+BF16_HEAD_TOLERANCE = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +50,29 @@ def test_half_engine_is_lossless_and_accepted_as_fp32(prompt_ids, dtype):
     assert got == want
     reference = own_loop_acceptance(TRAINED, prompt_ids, MAX_NEW_TOKENS, K)
     assert abs(acceptance - reference) <= TOLERANCE, (acceptance, reference)
+
+
+def test_bf16_draft_head_of_an_fp32_target_is_lossless_and_accepted_as_fp32(prompt_ids,
+                                                                            monkeypatch):
+    """VLLM_DFLASH_DRAFT_HEAD=bfloat16: the drafts' logits through a bf16 copy of the fp32
+    target's lm_head (the target verifies with its own)."""
+    from vllm_dflash.vllm.config import DRAFT_HEAD_ENV
+
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+    want = greedy_baseline(TRAINED.target, prompts, MAX_NEW_TOKENS)
+    monkeypatch.setenv(DRAFT_HEAD_ENV, "bfloat16")
+    llm = dflash_llm(TRAINED, K)
+    try:
+        def logits_dtype(worker) -> str:
+            runner = worker.model_runner.drafter.draft_runner
+            return str(runner.logits(torch.zeros(2, runner.cfg.hidden_size)).dtype)
+
+        assert llm.collective_rpc(logits_dtype) == ["torch.bfloat16"]
+        got, acceptance = acceptance_of(llm, partial(generate_ids, llm, prompts,
+                                                     max_tokens=MAX_NEW_TOKENS, ignore_eos=True))
+    finally:
+        del llm
+    assert got == want
+    reference = own_loop_acceptance(TRAINED, prompt_ids, MAX_NEW_TOKENS, K)
+    print(f"acceptance with a bf16 draft head {acceptance:.3f}, fp32 torch loop {reference:.3f}")
+    assert abs(acceptance - reference) <= BF16_HEAD_TOLERANCE, (acceptance, reference)

@@ -22,6 +22,7 @@ import torch
 
 from tests.engines import (
     MAX_MODEL_LEN,
+    TRAINED_DFLASH2,
     Pair,
     dflash_llm,
     generate_ids,
@@ -106,13 +107,15 @@ def dflash(trained_pair, baseline):
 # LLM() with vLLM's default multiprocessing engine, as users run it: one start-up per case,
 # then the exception chain and the child processes left behind.
 BAD_CONFIG_SCRIPT = """
-import json, sys
+import json, os, sys
 import psutil
 from vllm import LLM
 
 target, cases = sys.argv[1], json.loads(sys.argv[2])
 for name, engine_args in cases.items():
     error = ""
+    saved_env = dict(os.environ)
+    os.environ.update(engine_args.pop("env", {}))  # this case's only
     try:
         defaults = {"model": target, "enforce_eager": True, "dtype": "float32",
                     "max_model_len": 512}
@@ -123,6 +126,8 @@ for name, engine_args in cases.items():
             texts.append(f"{type(err).__name__}: {err}")
             err = err.__cause__ or err.__context__
         error = "\\n".join(texts)
+    os.environ.clear()
+    os.environ.update(saved_env)
     children = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
     children = [c for c in children if "resource_tracker" not in c]
     print("RESULT " + json.dumps({"case": name, "error": error, "children": children}), flush=True)
@@ -130,8 +135,10 @@ for name, engine_args in cases.items():
 
 
 def bad_configs(pair: Pair, root: Path) -> dict[str, dict]:
-    """LLM() arguments of each bad configuration, with its drafter directory built under
-    root."""
+    """LLM() arguments of each bad configuration ("env": environment variables it sets), with
+    its drafter directory built under root."""
+    from vllm_dflash.vllm.config import DRAFT_HEAD_ENV
+
     no_config = root / "no_config"
     shutil.copytree(pair.drafter, no_config)
     (no_config / "config.json").unlink()
@@ -166,6 +173,13 @@ def bad_configs(pair: Pair, root: Path) -> dict[str, dict]:
                               "distributed_executor_backend": "mp"},
         "dflash drafter as draft_model": {"speculative_config": {
             "method": "draft_model", "model": str(pair.drafter), "num_speculative_tokens": 3}},
+        "draft head unknown": {**spec(pair.drafter), "env": {DRAFT_HEAD_ENV: "fp8"}},
+        "bf16 draft head with tensor parallel": {
+            **spec(pair.drafter), "tensor_parallel_size": 2, "distributed_executor_backend": "mp",
+            "env": {DRAFT_HEAD_ENV: "bfloat16"}},
+        "bf16 draft head of a DFlash2 drafter": {
+            **spec(TRAINED_DFLASH2.drafter), "model": str(TRAINED_DFLASH2.target),
+            "env": {DRAFT_HEAD_ENV: "bfloat16"}},
         # vLLM's CPU build runs linear attention in bf16 only.
         "hybrid target on CPU": {**spec(pair.drafter), "dtype": "bfloat16",
                                  "model": str(write_hybrid_target(root / "hybrid", pair))},
@@ -212,6 +226,11 @@ BAD_CONFIG_WORDS = {
                                       'method "draft_model"', 'set "method": "dflash"'],
     "hybrid target on CPU": ["Qwen3NextForCausalLM", "recurrent", "CPU build",
                              "without --speculative-config"],
+    "draft head unknown": ["VLLM_DFLASH_DRAFT_HEAD='fp8'", "valid values: target, bfloat16"],
+    "bf16 draft head with tensor parallel": ["VLLM_DFLASH_DRAFT_HEAD=bfloat16",
+                                             "tensor_parallel_size=2", "unset"],
+    "bf16 draft head of a DFlash2 drafter": ["VLLM_DFLASH_DRAFT_HEAD=bfloat16", "DFlash2",
+                                             "unset"],
 }
 
 

@@ -30,6 +30,11 @@ IMPLEMENTATIONS = ("vllm-dflash", "vllm")
 DRAFT_LENGTH_ENV = "VLLM_DFLASH_DRAFT_LENGTH"
 # "adaptive": draft_policy.py picks 0..K draft tokens per request every step; "fixed": always K.
 DRAFT_LENGTHS = ("adaptive", "fixed")
+DRAFT_HEAD_ENV = "VLLM_DFLASH_DRAFT_HEAD"
+# "target": draft logits through the target's own lm_head; "bfloat16": through a bf16 copy of
+# it (an fp32 target's head is most of a small drafter's step; drafts are only proposals, so
+# verification by the fp32 target keeps the output exact).
+DRAFT_HEADS = ("target", "bfloat16")
 # What a vllm-dflash engine cannot do on Model Runner V2, as vLLM's own start-up line prints it
 # when it then picks the V1 runner. Drafts sampled by a DFlash2 or LiLiCorr drafter: their
 # drafts are a selector's walk, which MRV2's draft sampler cannot draw (the speculator drafts
@@ -66,6 +71,10 @@ def selected_implementation() -> str:
 
 def draft_length_mode() -> str:
     return _env_choice(DRAFT_LENGTH_ENV, DRAFT_LENGTHS, "a draft-length mode")
+
+
+def draft_head_mode() -> str:
+    return _env_choice(DRAFT_HEAD_ENV, DRAFT_HEADS, "a draft head")
 
 
 def steps_aside() -> bool:
@@ -234,6 +243,22 @@ def _check_dflash_config(config, target_model_config, target_parallel_config) ->
     # A hub drafter resolves to its snapshot (fetched here if need be, as the worker would).
     cfg = validate_speculative_config(config, target_model_config)
     checkpoint.check_weight_shapes(drafter_path(config.draft_model_config), cfg)
+    if draft_head_mode() == "bfloat16":
+        _check_bf16_draft_head(cfg, target_parallel_config)
+
+
+def _check_bf16_draft_head(cfg: DFlashConfig, target_parallel_config: Any) -> None:
+    ranks = target_parallel_config.tensor_parallel_size
+    if ranks > 1:
+        raise DFlashSetupError(
+            f"{DRAFT_HEAD_ENV}=bfloat16 copies the whole lm_head, but with "
+            f"tensor_parallel_size={ranks} each rank holds a shard of it; unset "
+            f"{DRAFT_HEAD_ENV} with tensor parallelism.")
+    if cfg.architecture in SELECTOR_ARCHITECTURES:
+        raise DFlashSetupError(
+            f"{DRAFT_HEAD_ENV}=bfloat16 is for DFlash drafters; a {cfg.architecture} drafter "
+            f"picks its drafts from candidates that need the target's own logits; unset "
+            f"{DRAFT_HEAD_ENV}.")
 
 
 def validate_speculative_config(spec: Any, target: Any) -> DFlashConfig:

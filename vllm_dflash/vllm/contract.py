@@ -97,6 +97,9 @@ HOOKS = (
     Hook("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm",
          ("layer", "remove_weight")),
     Hook("vllm.lora.layers", "BaseLayerWithLoRA"),
+    # A bf16 draft head applies the target's logit soft cap and scale to its vocabulary rows.
+    Hook("vllm.model_executor.layers.logits_processor", "LogitsProcessor.__init__",
+         ("org_vocab_size", "scale", "soft_cap")),
 )
 
 

@@ -1,12 +1,12 @@
 """vLLM's model executor, as the drafter uses it: the target's embedding and lm_head (under
-LoRA too) and vLLM's CPU GEMM for the drafter's linear layers."""
+LoRA too, or a bf16 copy of the head) and vLLM's CPU GEMM for the drafter's linear layers."""
 
 from collections.abc import Callable
 from functools import partial
 
 import torch
 
-from vllm_dflash.vllm.config import IMPL_ENV, DFlashSetupError
+from vllm_dflash.vllm.config import DRAFT_HEAD_ENV, IMPL_ENV, DFlashSetupError
 
 
 def target_head(target: torch.nn.Module, lora: bool) -> tuple[Callable, Callable]:
@@ -20,6 +20,43 @@ def target_head(target: torch.nn.Module, lora: bool) -> tuple[Callable, Callable
     """
     if not lora:
         return target.embed_input_ids, target.compute_logits
+    embed_tokens, lm_head, logits_processor = _base_head_layers(
+        target, "vllm-dflash with LoRA", f"Run without --enable-lora, or set {IMPL_ENV}=vllm.")
+    return embed_tokens, lambda hidden: logits_processor(lm_head, hidden)
+
+
+def bf16_draft_head(target: torch.nn.Module) -> Callable:
+    """hidden states -> bf16 draft logits through a bf16 copy of the target's lm_head (its
+    vocabulary rows, not the padding), with the target's soft cap and logit scale, run as the
+    drafter's layers run (vLLM's CPU GEMM on CPU). The target's own head stays for
+    verification."""
+    _, lm_head, processor = _base_head_layers(
+        target, f"{DRAFT_HEAD_ENV}=bfloat16", f"Unset {DRAFT_HEAD_ENV}.")
+    weight = getattr(lm_head, "weight", None)
+    if weight is None or not weight.is_floating_point():
+        raise DFlashSetupError(
+            f"{DRAFT_HEAD_ENV}=bfloat16 copies the target's lm_head weight, but "
+            f"{type(lm_head).__name__} has no floating-point weight (a quantized head?); unset "
+            f"{DRAFT_HEAD_ENV}.")
+    weight = weight[: processor.org_vocab_size]
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=torch.bfloat16,
+                           device=weight.device)
+    head.weight.data.copy_(weight)
+    if weight.device.type == "cpu":
+        use_vllm_cpu_gemm(head)
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        out = head(hidden.to(torch.bfloat16))
+        if processor.soft_cap is not None:
+            out = torch.tanh(out / processor.soft_cap) * processor.soft_cap
+        return out * processor.scale if processor.scale != 1.0 else out
+
+    return logits
+
+
+def _base_head_layers(target: torch.nn.Module, what: str,
+                      fix: str) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
+    """The target's embedding, lm_head and logits processor (their base layers under LoRA)."""
     from vllm.lora.layers import BaseLayerWithLoRA
 
     def base(module: torch.nn.Module) -> torch.nn.Module:
@@ -33,13 +70,10 @@ def target_head(target: torch.nn.Module, lora: bool) -> tuple[Callable, Callable
     missing = [name for name, present in found.items() if not present]
     if missing:
         raise DFlashSetupError(
-            f"vllm-dflash with LoRA needs the target's base embedding and lm_head, but "
-            f"{type(model).__name__} has no {', '.join(missing)}. Run without --enable-lora, or "
-            f"set {IMPL_ENV}=vllm."
+            f"{what} needs the target's base embedding and lm_head, but "
+            f"{type(model).__name__} has no {', '.join(missing)}. {fix}"
         )
-    embed_tokens, lm_head = base(inner.embed_tokens), base(model.lm_head)
-    logits_processor = base(model.logits_processor)
-    return embed_tokens, lambda hidden: logits_processor(lm_head, hidden)
+    return base(inner.embed_tokens), base(model.lm_head), base(model.logits_processor)
 
 
 def use_vllm_cpu_gemm(module: torch.nn.Module) -> None:

@@ -158,4 +158,7 @@ class DFlashSpeculator(DraftModelSpeculator):
 
     def compute_draft_logits(self, hidden_states: torch.Tensor,
                              spec_step_idx: int) -> torch.Tensor:
-        return self.draft_runner.logits(hidden_states)
+        logits = self.draft_runner.logits(hidden_states)
+        # MRV2 caches them in draft_logits (the target's head dtype); a bf16 draft head's
+        # (VLLM_DFLASH_DRAFT_HEAD) are cast to it.
+        return logits if self.draft_logits is None else logits.to(self.draft_logits.dtype)
