@@ -34,20 +34,35 @@ def prompt_ids() -> list[list[int]]:
     return heldout_ids()
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_engine_is_lossless_and_accepted_as_fp32(prompt_ids, dtype):
+def lossless_acceptance(probe, want_probe: str, prompt_ids: list[list[int]],
+                        dtype: str = "float32") -> float:
+    """An engine of the trained pair in dtype: probe(worker) gives want_probe, greedy output
+    equals the same-dtype engine's without speculation; returns its acceptance length."""
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
     want = greedy_baseline(TRAINED.target, prompts, MAX_NEW_TOKENS, dtype=dtype)
     llm = dflash_llm(TRAINED, K, dtype=dtype)
     try:
-        dtypes = llm.collective_rpc(
-            lambda worker: str(worker.model_runner.drafter.draft_runner.drafter.fc.weight.dtype))
-        assert dtypes == [f"torch.{dtype}"]
+        assert llm.collective_rpc(probe) == [want_probe]
         got, acceptance = acceptance_of(llm, partial(generate_ids, llm, prompts,
                                                      max_tokens=MAX_NEW_TOKENS, ignore_eos=True))
     finally:
         del llm
     assert got == want
+    return acceptance
+
+
+def drafter_weight_dtype(worker) -> str:
+    return str(worker.model_runner.drafter.draft_runner.drafter.fc.weight.dtype)
+
+
+def draft_logits_dtype(worker) -> str:
+    runner = worker.model_runner.drafter.draft_runner
+    return str(runner.logits(torch.zeros(2, runner.cfg.hidden_size)).dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_engine_is_lossless_and_accepted_as_fp32(prompt_ids, dtype):
+    acceptance = lossless_acceptance(drafter_weight_dtype, f"torch.{dtype}", prompt_ids, dtype)
     reference = own_loop_acceptance(TRAINED, prompt_ids, MAX_NEW_TOKENS, K)
     assert abs(acceptance - reference) <= TOLERANCE, (acceptance, reference)
 
@@ -58,21 +73,7 @@ def test_bf16_draft_head_of_an_fp32_target_is_lossless_and_accepted_as_fp32(prom
     target's lm_head (the target verifies with its own)."""
     from vllm_dflash.vllm.config import DRAFT_HEAD_ENV
 
-    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
-    want = greedy_baseline(TRAINED.target, prompts, MAX_NEW_TOKENS)
     monkeypatch.setenv(DRAFT_HEAD_ENV, "bfloat16")
-    llm = dflash_llm(TRAINED, K)
-    try:
-        def logits_dtype(worker) -> str:
-            runner = worker.model_runner.drafter.draft_runner
-            return str(runner.logits(torch.zeros(2, runner.cfg.hidden_size)).dtype)
-
-        assert llm.collective_rpc(logits_dtype) == ["torch.bfloat16"]
-        got, acceptance = acceptance_of(llm, partial(generate_ids, llm, prompts,
-                                                     max_tokens=MAX_NEW_TOKENS, ignore_eos=True))
-    finally:
-        del llm
-    assert got == want
+    acceptance = lossless_acceptance(draft_logits_dtype, "torch.bfloat16", prompt_ids)
     reference = own_loop_acceptance(TRAINED, prompt_ids, MAX_NEW_TOKENS, K)
-    print(f"acceptance with a bf16 draft head {acceptance:.3f}, fp32 torch loop {reference:.3f}")
     assert abs(acceptance - reference) <= BF16_HEAD_TOLERANCE, (acceptance, reference)
