@@ -12,7 +12,7 @@ python3 -m pip uninstall -y torchvision torchaudio torchcodec
 command -v c++ >/dev/null || { apt-get update && apt-get install -y --no-install-recommends g++; }
 python3 -m pip install "setuptools>=64" wheel
 VLLM_DFLASH_BUILD_CPU=1 python3 -m pip install --no-deps --no-build-isolation -e .
-python3 -m pip install safetensors tokenizers numpy pytest scipy ruff matplotlib tqdm tensorboard \
+python3 -m pip install safetensors tokenizers numpy pytest pytest-xdist scipy ruff matplotlib tqdm tensorboard \
   datasets
 # The reference implementation, used by the tests as a numerical oracle.
 python3 -m pip install --no-deps dflash==0.1.0

@@ -1,11 +1,42 @@
 """Shared fixtures. Those of tests/engines.py import it inside, so that modules without engines
 do not get its environment settings."""
 
+import os
 from collections.abc import Callable
 
+# The README runs the suite on two pytest-xdist workers, one per core of the 2-core machine
+# kind. Each keeps to one thread: two workers that each run two threads of OpenMP or BLAS on
+# two cores spend their time waiting for each other. (vLLM's CPU engines in the test process
+# already serve on one thread.)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for threads_env in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(threads_env, "1")
+
 import pytest
+import torch
 
 from vllm_dflash.config import DFlashConfig
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+# The modules that take longest (engines in processes of their own, interpreted Triton), in
+# about that order: run first, so that the two workers (`--dist loadfile`: a module's tests
+# stay on one worker, with its module-scoped engines) finish together.
+SLOWEST_MODULES = (
+    "test_model_runner_v2.py", "test_triton_engine.py", "test_smollm2_pair.py",
+    "test_tensor_parallel.py", "test_data_parallel.py", "test_bench.py",
+    "test_target_families.py", "test_installed_not_asked.py", "test_train_distributed.py",
+    "test_drafter_dtypes.py", "test_serve.py", "test_reliability.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return SLOWEST_MODULES.index(name) if name in SLOWEST_MODULES else len(SLOWEST_MODULES)
+
+    items.sort(key=rank)  # stable: each module keeps its own order
 
 
 @pytest.fixture

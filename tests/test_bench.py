@@ -101,17 +101,20 @@ def test_sampling_and_extra_speculative_config_reach_the_dflash_methods(trained_
 
 def test_server_mode_reports_latencies(trained_pair, tmp_path):
     report = bench(trained_pair, tmp_path / "out", "--server", "--concurrency", "2",
-                   "--methods", "vllm-dflash")
+                   "--methods", f"vllm-dflash,vllm-dflash-k{K}")
     # The server's engine-core process loads the plugin itself: the policy is on there too.
     log = (tmp_path / "out" / "logs" / "server-vllm-dflash-c2.log").read_text()
     assert "vllm-dflash: adaptive draft length" in log
-    (run,) = report["runs"]
-    assert "error" not in run, run
-    assert run["requests"] == len(PROMPTS) and run["output_tokens_per_s"] > 0
-    assert run["mean_acceptance_length"] >= 1.0
-    assert 0 < run["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"]
-    assert 0 < run["itl_ms"]["p50"] <= run["itl_ms"]["p99"]
-    assert run["speedup_vs_none"] is None and run["greedy_equals_none"] is None  # no baseline
+    adaptive, fixed = report["runs"]
+    for run in (adaptive, fixed):
+        assert "error" not in run, run
+        assert run["requests"] == len(PROMPTS) and run["output_tokens_per_s"] > 0
+        assert 0 < run["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"]
+        assert 0 < run["itl_ms"]["p50"] <= run["itl_ms"]["p99"]
+        assert run["speedup_vs_none"] is None and run["greedy_equals_none"] is None  # no baseline
+    # Over 2 x 8 tokens the adaptive length may rightly draft nothing (its cost fit of a few
+    # noisy steps decides): acceptance from the server's counters is checked at a fixed K.
+    assert fixed["mean_acceptance_length"] >= 1.0
 
 
 def test_prometheus_counters_and_acceptance():
