@@ -51,8 +51,10 @@ def lossless_acceptance(probe, want_probe: str, prompt_ids: list[list[int]],
     return acceptance
 
 
-def drafter_weight_dtype(worker) -> str:
-    return str(worker.model_runner.drafter.draft_runner.drafter.fc.weight.dtype)
+def drafter_dtype_and_head(worker) -> str:
+    runner = worker.model_runner.drafter.draft_runner
+    own_head = runner.logits == worker.model_runner.model.compute_logits
+    return f"{runner.drafter.fc.weight.dtype}, the target's own head: {own_head}"
 
 
 def draft_logits_dtype(worker) -> str:
@@ -61,8 +63,14 @@ def draft_logits_dtype(worker) -> str:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_engine_is_lossless_and_accepted_as_fp32(prompt_ids, dtype):
-    acceptance = lossless_acceptance(drafter_weight_dtype, f"torch.{dtype}", prompt_ids, dtype)
+def test_half_engine_is_lossless_and_accepted_as_fp32(prompt_ids, dtype, monkeypatch):
+    from vllm_dflash.vllm.config import DRAFT_HEAD_ENV
+
+    # A bf16 target's own head is already the bf16 draft head asked for: no copy of it.
+    monkeypatch.setenv(DRAFT_HEAD_ENV, "bfloat16" if dtype == "bfloat16" else "target")
+    acceptance = lossless_acceptance(drafter_dtype_and_head,
+                                     f"torch.{dtype}, the target's own head: True", prompt_ids,
+                                     dtype)
     reference = own_loop_acceptance(TRAINED, prompt_ids, MAX_NEW_TOKENS, K)
     assert abs(acceptance - reference) <= TOLERANCE, (acceptance, reference)
 

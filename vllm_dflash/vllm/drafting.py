@@ -129,7 +129,8 @@ class DraftRunner:
         self.embed, self.logits = target_head(target_model, lora=config.lora_config is not None)
         if self.drafter.lm_head is not None:  # a LiLiCorr drafter's own candidates' head
             self.logits = self.drafter.lm_head
-        elif draft_head_mode() == "bfloat16":  # start-up refused it for other drafters
+        elif (draft_head_mode() == "bfloat16"  # start-up refused it for other drafters
+              and config.model_config.dtype != torch.bfloat16):  # else the target's is one
             self.logits = bf16_draft_head(target_model)
         self.kv_weight = self.drafter.kv_weight()
         self.k_norm_weight = self.drafter.k_norm_weight()
