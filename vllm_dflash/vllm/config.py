@@ -77,6 +77,12 @@ def draft_head_mode() -> str:
     return _env_choice(DRAFT_HEAD_ENV, DRAFT_HEADS, "a draft head")
 
 
+def copies_bf16_draft_head(target_model_config: Any) -> bool:
+    """VLLM_DFLASH_DRAFT_HEAD=bfloat16 asks for a bf16 copy of the target's lm_head; a bf16
+    target's own head is one already, and stays the draft head."""
+    return draft_head_mode() == "bfloat16" and str(target_model_config.dtype) != "torch.bfloat16"
+
+
 def steps_aside() -> bool:
     """VLLM_DFLASH_IMPL=vllm: every engine runs exactly as vLLM alone runs it."""
     return os.environ.get(IMPL_ENV, "").strip() == "vllm"
@@ -243,7 +249,7 @@ def _check_dflash_config(config, target_model_config, target_parallel_config) ->
     # A hub drafter resolves to its snapshot (fetched here if need be, as the worker would).
     cfg = validate_speculative_config(config, target_model_config)
     checkpoint.check_weight_shapes(drafter_path(config.draft_model_config), cfg)
-    if draft_head_mode() == "bfloat16":
+    if copies_bf16_draft_head(target_model_config):
         _check_bf16_draft_head(cfg, target_parallel_config)
 
 

@@ -34,7 +34,7 @@ from vllm_dflash.kernels.draft_attention import DraftBatch, draft_attention, dra
 from vllm_dflash.kernels.kv_injection import kv_injection
 from vllm_dflash.model import Attend, SelectorInputs
 from vllm_dflash.vllm.attention import DraftKVLayer
-from vllm_dflash.vllm.config import draft_head_mode, drafter_path
+from vllm_dflash.vllm.config import copies_bf16_draft_head, drafter_path
 from vllm_dflash.vllm.model_executor import bf16_draft_head, target_head, use_vllm_cpu_gemm
 
 logger = logging.getLogger("vllm.vllm_dflash")  # inherits vLLM's log handler
@@ -129,8 +129,7 @@ class DraftRunner:
         self.embed, self.logits = target_head(target_model, lora=config.lora_config is not None)
         if self.drafter.lm_head is not None:  # a LiLiCorr drafter's own candidates' head
             self.logits = self.drafter.lm_head
-        elif (draft_head_mode() == "bfloat16"  # start-up refused it for other drafters
-              and config.model_config.dtype != torch.bfloat16):  # else the target's is one
+        elif copies_bf16_draft_head(config.model_config):  # start-up refused other drafters
             self.logits = bf16_draft_head(target_model)
         self.kv_weight = self.drafter.kv_weight()
         self.k_norm_weight = self.drafter.k_norm_weight()
