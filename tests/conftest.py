@@ -8,7 +8,8 @@ from collections.abc import Callable
 # kind. Each keeps to one thread: two workers that each run two threads of OpenMP or BLAS on
 # two cores spend their time waiting for each other. (vLLM's CPU engines in the test process
 # already serve on one thread.)
-if os.environ.get("PYTEST_XDIST_WORKER"):
+XDIST_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+if XDIST_WORKER:  # before torch and numpy load their thread pools
     for threads_env in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(threads_env, "1")
 
@@ -17,7 +18,7 @@ import torch
 
 from vllm_dflash.config import DFlashConfig
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
+if XDIST_WORKER:  # in case a plugin loaded torch before this file
     torch.set_num_threads(1)
 
 # The modules that take longest (engines in processes of their own, interpreted Triton), in
