@@ -3,7 +3,8 @@
 Greedy, every step drafting K tokens (VLLM_DFLASH_DRAFT_LENGTH=fixed), through vllm.LLM();
 each category's prompts run as one batch. Prints a markdown table.
 
-    python scripts/pair_acceptance.py --pair runs/smollm2 [--max-tokens 256] [-k 7]
+    python scripts/pair_acceptance.py --pair runs/smollm2 [--max-tokens 256] [-k 7] \
+        [--prompt-lookup]
 """
 
 import argparse
@@ -23,7 +24,11 @@ def main() -> None:
                         help="folder with target/, drafter/ and heldout.jsonl")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=7)
+    parser.add_argument("--prompt-lookup", action="store_true",
+                        help="prompt-lookup drafts beside the drafter's "
+                        "(VLLM_DFLASH_PROMPT_LOOKUP=on)")
     args = parser.parse_args()
+    os.environ["VLLM_DFLASH_PROMPT_LOOKUP"] = "on" if args.prompt_lookup else "off"
 
     from vllm import LLM, SamplingParams
 
@@ -47,7 +52,8 @@ def main() -> None:
         rows.append((category, len(prompts), tokens, 1 + spec.accepted / spec.drafts))
         total, total_tokens = total.plus(spec), total_tokens + tokens
     rows.append(("all", len(records), total_tokens, 1 + total.accepted / total.drafts))
-    print(f"K = {args.num_speculative_tokens}, greedy, at most {args.max_tokens} tokens\n")
+    lookup = ", prompt lookup" if args.prompt_lookup else ""
+    print(f"K = {args.num_speculative_tokens}, greedy, at most {args.max_tokens} tokens{lookup}\n")
     print("| category | prompts | tokens | mean acceptance length |\n| --- | --- | --- | --- |")
     for category, count, tokens, tau in rows:
         print(f"| {category} | {count} | {tokens} | {tau:.2f} |")

@@ -207,3 +207,16 @@ def test_method_order_balances_who_runs_after_whom(n):
     follows = Counter(pair for row in rows for pair in itertools.pairwise(row))
     assert len(set(firsts.values())) == 1 and len(firsts) == n
     assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
+
+
+def test_lookup_methods_turn_prompt_lookup_on():
+    from vllm_dflash.bench.methods import check_methods, fixed_draft_length, method_env
+    from vllm_dflash.vllm.config import PROMPT_LOOKUP_ENV
+
+    check_methods(["vllm-dflash+lookup", "vllm-dflash-k7+lookup"])
+    assert method_env("vllm-dflash+lookup")[PROMPT_LOOKUP_ENV] == "on"
+    assert method_env("vllm-dflash")[PROMPT_LOOKUP_ENV] == "off"
+    assert fixed_draft_length("vllm-dflash-k7+lookup") == 7
+    for bad in ("ngram+lookup", "none+lookup", "vllm-inproc-dflash+lookup"):
+        with pytest.raises(ValueError, match="with prompt lookup"):
+            check_methods([bad])

@@ -165,7 +165,7 @@ def prompts() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def ours(prompts) -> dict:
+def ours(prompts, useless_pair) -> dict:
     # 17 blocks of 32 tokens (one request of max_model_len): four running requests outgrow
     # them as each reaches 100 to 500 tokens.
     small_cache = {"block_size": 32, "num_gpu_blocks_override": 17,
@@ -187,6 +187,11 @@ def ours(prompts) -> dict:
         {"name": "lilicorr", "drafter": str(TRAINED_LILICORR.drafter)},
         {"name": "async", "drafter": str(TRAINED.drafter), "alone": 2,
          "engine": {"async_scheduling": True}},
+        # Prompt lookup beside a random drafter's sampled drafts (their cached logits), under
+        # async scheduling.
+        {"name": "lookup", "drafter": str(useless_pair.drafter), "seeded": True, "max_tokens": 12,
+         "speculative": PROBABILISTIC, "engine": {"async_scheduling": True},
+         "env": {"VLLM_DFLASH_PROMPT_LOOKUP": "on"}},
     ]
     return mrv2_runs(runs, prompts, {"VLLM_USE_V2_MODEL_RUNNER": "1"})
 
@@ -310,3 +315,16 @@ def test_async_scheduling_on_mrv2_is_lossless_and_accepted_as_sync(ours):
     assert got["batch"] == ours["plain"]["batch"] and got["alone"] == ours["plain"]["alone"]
     assert abs(mean_acceptance_length(got["spec"]) - mean_acceptance_length(sync["spec"])) <= (
         0.02), (got["spec"], sync["spec"])
+
+
+def test_prompt_lookup_on_mrv2_is_lossless(ours):
+    got = ours["lookup"]
+    assert any("prompt lookup=on" in line for line in got["lines"]), got["lines"]
+    assert got["batch"] == ours["plain"]["batch"]
+    first, second = got["seeded"]
+    assert first == second
+    assert [first[i] for i in range(0, len(first), 2)] == [
+        tokens[:len(first[0])] for tokens in ours["plain"]["batch"][::2]]
+    # The random drafter's drafts are almost never accepted (tests/test_prompt_lookup.py);
+    # lookup drafts are (4.7 tokens per step on the V1 runner).
+    assert mean_acceptance_length(got["spec"]) > 2.5, got["spec"]

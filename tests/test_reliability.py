@@ -137,7 +137,7 @@ for name, engine_args in cases.items():
 def bad_configs(pair: Pair, root: Path) -> dict[str, dict]:
     """LLM() arguments of each bad configuration ("env": environment variables it sets), with
     its drafter directory built under root."""
-    from vllm_dflash.vllm.config import DRAFT_HEAD_ENV
+    from vllm_dflash.vllm.config import DRAFT_HEAD_ENV, PROMPT_LOOKUP_ENV
 
     no_config = root / "no_config"
     shutil.copytree(pair.drafter, no_config)
@@ -174,6 +174,7 @@ def bad_configs(pair: Pair, root: Path) -> dict[str, dict]:
         "dflash drafter as draft_model": {"speculative_config": {
             "method": "draft_model", "model": str(pair.drafter), "num_speculative_tokens": 3}},
         "draft head unknown": {**spec(pair.drafter), "env": {DRAFT_HEAD_ENV: "fp8"}},
+        "prompt lookup unknown": {**spec(pair.drafter), "env": {PROMPT_LOOKUP_ENV: "yes"}},
         "bf16 draft head with tensor parallel": {
             **spec(pair.drafter), "tensor_parallel_size": 2, "distributed_executor_backend": "mp",
             "env": {DRAFT_HEAD_ENV: "bfloat16"}},
@@ -227,6 +228,7 @@ BAD_CONFIG_WORDS = {
     "hybrid target on CPU": ["Qwen3NextForCausalLM", "recurrent", "CPU build",
                              "without --speculative-config"],
     "draft head unknown": ["VLLM_DFLASH_DRAFT_HEAD='fp8'", "valid values: target, bfloat16"],
+    "prompt lookup unknown": ["VLLM_DFLASH_PROMPT_LOOKUP='yes'", "valid values: off, on"],
     "bf16 draft head with tensor parallel": ["VLLM_DFLASH_DRAFT_HEAD=bfloat16",
                                              "tensor_parallel_size=2", "unset"],
     "bf16 draft head of a DFlash2 drafter": ["VLLM_DFLASH_DRAFT_HEAD=bfloat16", "DFlash2",

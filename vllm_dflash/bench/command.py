@@ -61,7 +61,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    default=["none", "vllm-dflash", "vllm-inproc-dflash", "ngram"],
                    help="comma-separated, from none,vllm-dflash,vllm-inproc-dflash,ngram and "
                    "vllm-dflash-kN (vllm-dflash with a fixed draft length N; vllm-dflash "
-                   "itself chooses the length per request and step)")
+                   "itself chooses the length per request and step), each also with +lookup "
+                   "(prompt-lookup drafts beside the drafter's)")
     p.add_argument("--server", action="store_true",
                    help="through the OpenAI server and streaming clients (default: LLM())")
     p.add_argument("--num-speculative-tokens", type=int, default=None,

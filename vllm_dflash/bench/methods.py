@@ -1,7 +1,8 @@
 """The benchmarked methods: each is a speculative_config plus the engine's environment.
 
 `vllm-dflash` drafts with the adaptive draft length (the default); `vllm-dflash-kN` always
-drafts N tokens (VLLM_DFLASH_DRAFT_LENGTH=fixed, num_speculative_tokens=N). Extra
+drafts N tokens (VLLM_DFLASH_DRAFT_LENGTH=fixed, num_speculative_tokens=N); either with
+`+lookup` also takes prompt-lookup drafts (VLLM_DFLASH_PROMPT_LOOKUP=on). Extra
 --speculative-config keys (draft_sample_method, synthetic acceptance, ...) go to every DFlash
 method, this package's and vLLM's in-tree one alike.
 """
@@ -10,24 +11,37 @@ import json
 import re
 from pathlib import Path
 
-from vllm_dflash.vllm.config import DRAFT_LENGTH_ENV, IMPL_ENV
+from vllm_dflash.vllm.config import DRAFT_LENGTH_ENV, IMPL_ENV, PROMPT_LOOKUP_ENV
 
 METHODS = ("none", "vllm-dflash", "vllm-inproc-dflash", "ngram")
 FIXED = re.compile(r"vllm-dflash-k([1-9][0-9]*)")
+LOOKUP = "+lookup"
 BASELINE = "none"
 # vLLM's documented prompt-lookup window for ngram speculation.
 NGRAM_LOOKUP = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
 def check_methods(methods: list[str]) -> None:
-    unknown = [m for m in methods if m not in METHODS and not FIXED.fullmatch(m)]
+    unknown = [m for m in methods if not _known(m)]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; valid: "
-                         f"{', '.join(METHODS)}, vllm-dflash-kN (a fixed draft length N)")
+                         f"{', '.join(METHODS)}, vllm-dflash-kN (a fixed draft length N), "
+                         f"vllm-dflash{LOOKUP} and vllm-dflash-kN{LOOKUP} (with prompt lookup)")
+
+
+def _known(method: str) -> bool:
+    if uses_lookup(method):
+        method = method.removesuffix(LOOKUP)
+        return method == "vllm-dflash" or FIXED.fullmatch(method) is not None
+    return method in METHODS or FIXED.fullmatch(method) is not None
+
+
+def uses_lookup(method: str) -> bool:
+    return method.endswith(LOOKUP)
 
 
 def fixed_draft_length(method: str) -> int | None:
-    match = FIXED.fullmatch(method)
+    match = FIXED.fullmatch(method.removesuffix(LOOKUP))
     return int(match.group(1)) if match else None
 
 
@@ -46,12 +60,15 @@ def method_env(method: str) -> dict[str, str]:
     """`vllm-inproc-dflash` is vLLM's in-tree DFlash: the plugin steps aside."""
     fixed = fixed_draft_length(method) is not None
     return {IMPL_ENV: "vllm" if method == "vllm-inproc-dflash" else "vllm-dflash",
-            DRAFT_LENGTH_ENV: "fixed" if fixed else "adaptive"}
+            DRAFT_LENGTH_ENV: "fixed" if fixed else "adaptive",
+            PROMPT_LOOKUP_ENV: "on" if uses_lookup(method) else "off"}
 
 
 def color(method: str) -> str:
     """The same colour for a method in both plots."""
     k = fixed_draft_length(method)
+    if uses_lookup(method):
+        return "C8" if k is None else "C9"
     return f"C{METHODS.index(method) if k is None else len(METHODS) + k.bit_length() - 1}"
 
 

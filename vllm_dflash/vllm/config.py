@@ -35,6 +35,10 @@ DRAFT_HEAD_ENV = "VLLM_DFLASH_DRAFT_HEAD"
 # it (an fp32 target's head is most of a small drafter's step; drafts are only proposals, so
 # verification by the fp32 target keeps the output exact).
 DRAFT_HEADS = ("target", "bfloat16")
+PROMPT_LOOKUP_ENV = "VLLM_DFLASH_PROMPT_LOOKUP"
+# "on": a request whose last tokens occurred before in its context drafts what followed them
+# there instead of the drafter's tokens (prompt_lookup.py).
+PROMPT_LOOKUPS = ("off", "on")
 # What a vllm-dflash engine cannot do on Model Runner V2, as vLLM's own start-up line prints it
 # when it then picks the V1 runner. Drafts sampled by a DFlash2 or LiLiCorr drafter: their
 # drafts are a selector's walk, which MRV2's draft sampler cannot draw (the speculator drafts
@@ -75,6 +79,10 @@ def draft_length_mode() -> str:
 
 def draft_head_mode() -> str:
     return _env_choice(DRAFT_HEAD_ENV, DRAFT_HEADS, "a draft head")
+
+
+def prompt_lookup_on() -> bool:
+    return _env_choice(PROMPT_LOOKUP_ENV, PROMPT_LOOKUPS, "a prompt-lookup setting") == "on"
 
 
 def copies_bf16_draft_head(target_model_config: Any) -> bool:
@@ -225,6 +233,7 @@ def _check_dflash_config(config, target_model_config, target_parallel_config) ->
     from vllm.platforms import current_platform
 
     draft_length_mode()
+    prompt_lookup_on()
     if getattr(config, "rejection_sample_method", "standard") == "fly":
         raise DFlashSetupError(
             'rejection_sample_method "fly" is lossy (it accepts drafts the target would not '

@@ -10,6 +10,9 @@ Per step, for the whole batch:
      after the last accepted token's (ctx_len = seq_len - rejected for text); block queries
      attend to the ctx_len context tokens in the paged cache plus their own block (draft
      attention kernel), the target's lm_head gives K draft tokens (draft_sampling.py chooses).
+     With prompt lookup on, a request whose last tokens occurred before in its context
+     drafts what followed them instead (prompt_lookup.py; the step's token ids are written
+     beside its KV in step 1).
 """
 
 import itertools
@@ -33,8 +36,9 @@ from vllm_dflash.kernels import _compiled
 from vllm_dflash.kernels.draft_attention import DraftBatch, draft_attention, draft_attention_path
 from vllm_dflash.kernels.kv_injection import kv_injection
 from vllm_dflash.model import Attend, SelectorInputs
+from vllm_dflash.prompt_lookup import TokenHistory, lookup_drafts, with_lookup_drafts
 from vllm_dflash.vllm.attention import DraftKVLayer
-from vllm_dflash.vllm.config import copies_bf16_draft_head, drafter_path
+from vllm_dflash.vllm.config import copies_bf16_draft_head, drafter_path, prompt_lookup_on
 from vllm_dflash.vllm.model_executor import bf16_draft_head, target_head, use_vllm_cpu_gemm
 
 logger = logging.getLogger("vllm.vllm_dflash")  # inherits vLLM's log handler
@@ -103,6 +107,7 @@ class DraftRunner:
         self.dummy_runs_draft = True  # off while profiling the target alone
         self.draft_graphs: DraftGraphs | None = None  # captured with vLLM's graphs
         self.context_queue: ContextQueue | None = None  # made in load()
+        self.token_history: TokenHistory | None = None  # prompt lookup; made in kv_cache_group()
         self.last_draft_probs: torch.Tensor | None = None
         # vLLM captures each target layer once, in ascending order; the drafter wants its
         # target_layer_ids order, duplicates included.
@@ -173,27 +178,39 @@ class DraftRunner:
             )
         gid = groups.pop()
         self.block_size = kv_cache_config.kv_cache_groups[gid].kv_cache_spec.block_size
+        if prompt_lookup_on():
+            self.token_history = TokenHistory(kv_cache_config.num_blocks * self.block_size,
+                                              self.block_size, self.device)
         return gid
 
     # ---- per step -----------------------------------------------------------------------
 
     def inject_context(
-        self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
+        self, features: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
+        slot_mapping: torch.Tensor
     ) -> torch.Tensor:
-        """Writes the drafter's context K/V of the target's tokens (after any still queued);
-        returns their fused context states [T, H]. A drafting step calls this."""
+        """Writes the drafter's context K/V of the target's tokens (after any still queued)
+        and, for prompt lookup, their ids; returns their fused context states [T, H]. A
+        drafting step calls this."""
         self.flush_context()
+        self.record_tokens(token_ids, slot_mapping)
         return self._inject(features, positions, slot_mapping)
 
-    def queue_context(self, feature_chunks: list[torch.Tensor], positions: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+    def queue_context(self, feature_chunks: list[torch.Tensor], token_ids: torch.Tensor,
+                      positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """The context of a step that drafts nothing: its injection waits in the queue until
-        the next drafting step or until the queue is full (context_queue.py). feature_chunks:
-        the captured target layers' hidden states [T, H] each."""
+        the next drafting step or until the queue is full (context_queue.py); its token ids
+        are recorded now. feature_chunks: the captured target layers' hidden states [T, H]
+        each."""
+        self.record_tokens(token_ids, slot_mapping)
         if self.context_queue is None:
             self._inject(torch.cat(feature_chunks, dim=-1), positions, slot_mapping)
         else:
             self.context_queue.put(feature_chunks, positions, slot_mapping)
+
+    def record_tokens(self, token_ids: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if self.token_history is not None:
+            self.token_history.write(token_ids, slot_mapping)
 
     def flush_context(self) -> None:
         """Injects the queued context, so that the drafter's cache holds every token's."""
@@ -218,11 +235,29 @@ class DraftRunner:
                      anchor_states: torch.Tensor | None = None) -> torch.Tensor:
         """[B] anchors -> [B, num_draft] draft tokens. The drafter's pass is replayed from a
         CUDA graph when one fits the batch. Sampled drafts leave their distributions in
-        last_draft_probs, where the runner reads them for verification."""
+        last_draft_probs, where the runner reads them for verification. With prompt lookup,
+        the requests it finds drafts for take those (one-hot distributions); on the CPU,
+        where that is known without a device sync, a greedy batch that it finds drafts for
+        throughout skips the drafter's pass."""
+        lookup = self.lookup(anchor_ids, batch, num_draft)
+        if (lookup is not None and sampling is None and self.device.type == "cpu"
+                and bool(lookup[1].all())):
+            self.last_draft_probs = None
+            return lookup[0]
         tokens, self.last_draft_probs = self.choose_tokens(
             self.block_hidden(anchor_ids, batch)[:, :num_draft], anchor_ids, sampling,
             anchor_states)
+        if lookup is not None:
+            tokens = with_lookup_drafts(tokens, self.last_draft_probs, *lookup)
         return tokens
+
+    def lookup(self, anchor_ids: torch.Tensor, batch: DraftBatch, num_draft: int
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Prompt-lookup drafts [B, num_draft] and found [B], or None with lookup off."""
+        if self.token_history is None:
+            return None
+        context = self.token_history.context(batch.block_table, batch.context_lens, anchor_ids)
+        return lookup_drafts(context, num_draft)
 
     def block_hidden(self, anchor_ids: torch.Tensor, batch: DraftBatch) -> torch.Tensor:
         """draft_hidden, replayed from a CUDA graph when one fits the batch."""

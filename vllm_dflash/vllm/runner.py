@@ -135,7 +135,8 @@ def _patch_drafting(runner) -> None:
                            spec_decode_metadata, common_attn_metadata, slot_mappings)
         num_tokens = scheduler_output.total_num_scheduled_tokens
         self._draft_probs = self._draft_prob_req_ids = None
-        self.drafter.queue_context(aux_hidden_states, self._get_positions(num_tokens),
+        self.drafter.queue_context(aux_hidden_states, self.input_ids.gpu[:num_tokens],
+                                   self._get_positions(num_tokens),
                                    common_attn_metadata)
         return torch.empty(self.input_batch.num_reqs, 0, dtype=torch.int64, device=self.device)
 

@@ -17,6 +17,7 @@ from vllm_dflash.kernels.draft_attention import DraftBatch, draft_attention_path
 from vllm_dflash.vllm.config import (
     IMPL_ENV,
     DFlashSetupError,
+    prompt_lookup_on,
     runs_vllm_dflash,
     validate_speculative_config,
 )
@@ -63,13 +64,14 @@ class DFlashProposer(SpecDecodeBaseProposer):
         logger.info(
             "vllm-dflash: implementation=vllm-dflash (vllm_dflash.vllm.spec_decode.DFlashProposer), "
             "runner=%s (V1), drafter=%s, block_size=%d, num_speculative_tokens=%d, "
-            "draft layers=%d, draft attention=%s",
+            "draft layers=%d, draft attention=%s, prompt lookup=%s",
             runner_name(runner),
             self.dflash_config.architecture,
             self.dflash_config.block_size,
             self.num_speculative_tokens,
             self.dflash_config.num_layers,
             draft_attention_path(self.device),
+            "on" if prompt_lookup_on() else "off",
         )
         warn_about_setup(vllm_config, device)
 
@@ -100,24 +102,25 @@ class DFlashProposer(SpecDecodeBaseProposer):
             sampled_token_ids, requests, input_batch, discard_request_mask)
 
     @torch.inference_mode()
-    def inject(self, target_hidden_states: torch.Tensor, target_positions: torch.Tensor,
-               common_attn_metadata: CommonAttentionMetadata
+    def inject(self, target_hidden_states: torch.Tensor, target_token_ids: torch.Tensor,
+               target_positions: torch.Tensor, common_attn_metadata: CommonAttentionMetadata
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """KV injection of the step's tokens, for a step that drafts; returns their context
         states and 1-D positions."""
         positions, slots = step_tokens(target_positions, common_attn_metadata)
         ctx = self.draft_runner.inject_context(target_hidden_states[:len(positions)],
-                                               positions, slots)
+                                               target_token_ids, positions, slots)
         return ctx, positions
 
     @torch.inference_mode()
-    def queue_context(self, feature_chunks: list[torch.Tensor], target_positions: torch.Tensor,
+    def queue_context(self, feature_chunks: list[torch.Tensor], target_token_ids: torch.Tensor,
+                      target_positions: torch.Tensor,
                       common_attn_metadata: CommonAttentionMetadata) -> None:
         """A step that drafts nothing: its tokens' context waits for the next drafting step's
         injection. Alone, it is such a step (runner.py)."""
         positions, slots = step_tokens(target_positions, common_attn_metadata)
         self.draft_runner.queue_context([h[:len(positions)] for h in feature_chunks],
-                                        positions, slots)
+                                        target_token_ids, positions, slots)
 
     @torch.inference_mode()
     def propose(
@@ -137,10 +140,11 @@ class DFlashProposer(SpecDecodeBaseProposer):
         cad = common_attn_metadata
         if num_speculative_tokens == 0:
             # The draft-length policy skips drafting this step; the context still grows.
-            self.queue_context([target_hidden_states], target_positions, cad)
+            self.queue_context([target_hidden_states], target_token_ids, target_positions, cad)
             self._last_draft_probs = None
             return next_token_ids.new_empty(next_token_ids.shape[0], 0)
-        ctx, target_positions = self.inject(target_hidden_states, target_positions, cad)
+        ctx, target_positions = self.inject(target_hidden_states, target_token_ids,
+                                            target_positions, cad)
         context_lens = cad.seq_lens
         last_valid = cad.query_start_loc[1:] - 1  # each request's last accepted token
         if num_rejected_tokens_gpu is not None:

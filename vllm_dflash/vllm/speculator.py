@@ -22,10 +22,13 @@ from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
 from vllm_dflash.kernels.draft_attention import DraftBatch, draft_attention_path
-from vllm_dflash.vllm.config import validate_speculative_config
+from vllm_dflash.vllm.config import prompt_lookup_on, validate_speculative_config
 from vllm_dflash.vllm.drafting import DraftRunner, target_layer_ids_for_vllm, warn_about_setup
 
 logger = logging.getLogger("vllm.vllm_dflash")  # inherits vLLM's log handler
+# A prompt-lookup draft's cached logit for every other token: q = 0 there at any temperature
+# MRV2 divides it by, with no overflow to -inf.
+LOOKUP_OFF_LOGIT = -1e4
 
 
 class DFlashSpeculator(DraftModelSpeculator):
@@ -50,10 +53,10 @@ class DFlashSpeculator(DraftModelSpeculator):
         logger.info(
             "vllm-dflash: implementation=vllm-dflash (vllm_dflash.vllm.speculator."
             "DFlashSpeculator), runner=Model Runner V2, drafter=%s, block_size=%d, "
-            "num_speculative_tokens=%d, draft layers=%d, draft attention=%s",
+            "num_speculative_tokens=%d, draft layers=%d, draft attention=%s, prompt lookup=%s",
             self.dflash_config.architecture, self.dflash_config.block_size,
             self.num_speculative_steps, self.dflash_config.num_layers,
-            draft_attention_path(device))
+            draft_attention_path(device), "on" if prompt_lookup_on() else "off")
         warn_about_setup(vllm_config, device)
 
     # ---- set-up -------------------------------------------------------------------------
@@ -114,10 +117,12 @@ class DFlashSpeculator(DraftModelSpeculator):
         positions = input_batch.positions[:num_tokens]
         features = [h[:num_tokens] for h in aux_hidden_states]
         slots = slot_mappings[self.draft_runner.kv_layer_names[0]][:num_tokens]
+        token_ids = input_batch.input_ids[:num_tokens]
         if num_draft == 0:  # the context waits for the next drafting step's injection
-            self.draft_runner.queue_context(features, positions, slots)
+            self.draft_runner.queue_context(features, token_ids, positions, slots)
             return drafts
-        ctx = self.draft_runner.inject_context(torch.cat(features, dim=-1), positions, slots)
+        ctx = self.draft_runner.inject_context(torch.cat(features, dim=-1), token_ids, positions,
+                                               slots)
         rejected = num_rejected[:num_reqs]
         last_valid = (input_batch.query_start_loc[1:num_reqs + 1] - 1 - rejected).long()
         rows = input_batch.idx_mapping[:num_reqs]
@@ -153,8 +158,23 @@ class DFlashSpeculator(DraftModelSpeculator):
         positions = (batch.anchor_positions[:, None].long() + steps).flatten()
         tokens = self.sample_draft(hidden, positions, rows.long().repeat_interleave(num_draft),
                                    temperature, seeds, steps.repeat(num_reqs).to(torch.int32),
-                                   self.draft_logits)
-        return tokens.view(num_reqs, num_draft)
+                                   self.draft_logits).view(num_reqs, num_draft)
+        lookup = self.draft_runner.lookup(anchors, batch, num_draft)
+        return tokens if lookup is None else self.with_lookup_logits(tokens, rows, *lookup)
+
+    def with_lookup_logits(self, tokens: torch.Tensor, rows: torch.Tensor,
+                           lookup_tokens: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
+        """The drawn drafts [B, k] with the rows `found` replaced by prompt lookup's, whose
+        cached draft logits become one-hot (q = 1 at the draft: exact verification of a
+        deterministic draft). Finite: MRV2 divides them by the temperature and sums exp() over
+        vocabulary blocks, which an all -inf block would turn into NaN."""
+        tokens = torch.where(found[:, None], lookup_tokens, tokens)
+        rows = rows.long()
+        cached = self.draft_logits[rows, :tokens.shape[1]]
+        one_hot = torch.full_like(cached, LOOKUP_OFF_LOGIT).scatter_(-1, tokens[..., None], 0.0)
+        self.draft_logits[rows, :tokens.shape[1]] = torch.where(found[:, None, None], one_hot,
+                                                                 cached)
+        return tokens
 
     def compute_draft_logits(self, hidden_states: torch.Tensor,
                              spec_step_idx: int) -> torch.Tensor:
