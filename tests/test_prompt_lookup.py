@@ -98,6 +98,7 @@ def test_lookup_rows_take_one_hot_distributions():
 # ---- in engines (V1 runner; Model Runner V2: tests/test_model_runner_v2.py) ------------------
 
 NUM_PROMPTS, MAX_TOKENS = 8, 64
+ALONE = 2  # prompts run one at a time
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +124,29 @@ def runs(useless_pair) -> dict:
         both = spec_metrics(llm)
         out[name + " spec"] = greedy
         out[name + " sampled spec"] = {k: both[k] - greedy[k] for k in ("drafts", "accepted")}
+        if lookup == "on":
+            llm.collective_rpc(_count_drafter_passes)
+            out["alone"] = [generate_ids(llm, [p], max_tokens=MAX_TOKENS)[0]
+                            for p in prompts[:ALONE]]
+            out["alone drafts"] = spec_metrics(llm)["drafts"] - both["drafts"]
+            out["alone drafter passes"] = llm.collective_rpc(_drafter_passes)[0]
         del llm
     return out
+
+
+def _count_drafter_passes(worker) -> None:
+    draft_runner = worker.model_runner.drafter.draft_runner
+    block_hidden, draft_runner.passes = draft_runner.block_hidden, 0
+
+    def counting_block_hidden(*args):
+        draft_runner.passes += 1
+        return block_hidden(*args)
+
+    draft_runner.block_hidden = counting_block_hidden
+
+
+def _drafter_passes(worker) -> int:
+    return worker.model_runner.drafter.draft_runner.passes
 
 
 def acceptance_length(spec: dict) -> float:
@@ -148,3 +170,9 @@ def test_sampled_requests_verify_lookup_drafts(runs):
     assert runs["lookup sampled"] != runs["plain"]
     assert acceptance_length(runs["drafter sampled spec"]) < 1.05
     assert acceptance_length(runs["lookup sampled spec"]) > 1.1
+
+
+def test_a_request_alone_skips_the_drafter_where_lookup_drafts(runs):
+    # On the CPU a greedy batch that lookup finds drafts for throughout runs no drafter pass.
+    assert runs["alone"] == runs["plain"][:ALONE]
+    assert 0 < runs["alone drafter passes"] < runs["alone drafts"], runs
