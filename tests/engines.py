@@ -436,3 +436,16 @@ def reference_acceptance(pair: Pair, prompt_ids: list[list[int]], max_new_tokens
         ref.dflash_generate(drafter.eval(), target, torch.tensor([ids]), budget, None,
                             block_size=pair.block_size, return_stats=True).acceptance_lengths
         for ids in prompt_ids], max_new_tokens)
+
+
+def count_calls(owner, name: str, counts, key: str) -> None:
+    """Replaces owner.<name> with a wrapper that adds 1 to counts.<key> per call (an engine's
+    worker objects, read back later through collective_rpc)."""
+    method = getattr(owner, name)
+    setattr(counts, key, 0)
+
+    def counting(*args, **kwargs):
+        setattr(counts, key, getattr(counts, key) + 1)
+        return method(*args, **kwargs)
+
+    setattr(owner, name, counting)

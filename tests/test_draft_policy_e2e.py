@@ -13,6 +13,7 @@ from tests.engines import (
     LogLines,
     Pair,
     alone_batched_structured,
+    count_calls,
     dflash_llm,
     generate_ids,
     plain_run,
@@ -207,22 +208,8 @@ def _script_policy(llm) -> None:
 
 def _count_inject_only_steps(worker) -> None:
     runner = worker.model_runner
-    queue_context = runner.drafter.queue_context
-    runner.inject_only_steps = 0
-
-    def counting_queue_context(*args):
-        runner.inject_only_steps += 1
-        return queue_context(*args)
-
-    runner.drafter.queue_context = counting_queue_context
-    queue = runner.drafter.draft_runner.context_queue
-    inject, runner.queue_injections = queue.inject, 0
-
-    def counting_inject(*args):
-        runner.queue_injections += 1
-        return inject(*args)
-
-    queue.inject = counting_inject
+    count_calls(runner.drafter, "queue_context", runner, "inject_only_steps")
+    count_calls(runner.drafter.draft_runner.context_queue, "inject", runner, "queue_injections")
 
 
 def _queue_counts(worker) -> tuple[int, int]:

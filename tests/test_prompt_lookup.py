@@ -135,14 +135,10 @@ def runs(useless_pair) -> dict:
 
 
 def _count_drafter_passes(worker) -> None:
+    from tests.engines import count_calls
+
     draft_runner = worker.model_runner.drafter.draft_runner
-    block_hidden, draft_runner.passes = draft_runner.block_hidden, 0
-
-    def counting_block_hidden(*args):
-        draft_runner.passes += 1
-        return block_hidden(*args)
-
-    draft_runner.block_hidden = counting_block_hidden
+    count_calls(draft_runner, "block_hidden", draft_runner, "passes")
 
 
 def _drafter_passes(worker) -> int:
