@@ -16,13 +16,16 @@ class FixedPolicy:
         self.lengths, self.num_draft = lengths, num_draft
         self.planned: list[list[str]] = []
         self.remaining: list[list[int] | None] = []
+        self.lookup: list[list[bool] | None] = []
         self.observed: list[tuple] = []
         self.idled = 0
         self.sampled: set[str] = set()
 
-    def plan(self, req_ids: list[str], remaining: list[int] | None = None) -> Plan:
+    def plan(self, req_ids: list[str], remaining: list[int] | None = None,
+             lookup: list[bool] | None = None) -> Plan:
         self.planned.append(req_ids)
         self.remaining.append(remaining)
+        self.lookup.append(lookup)
         return Plan(self.lengths[: len(req_ids)], self.num_draft)
 
     def observe(self, drafts, num_tokens, batch_size, drafted) -> None:
@@ -43,11 +46,11 @@ class FixedPolicy:
 
 
 def request(req_id: str, drafts: int = K, prefill: bool = False, seed: int | None = None,
-            temperature: float = 0.0, max_tokens: int = 64,
-            num_output_tokens: int = 0) -> SimpleNamespace:
+            temperature: float = 0.0, max_tokens: int = 64, num_output_tokens: int = 0,
+            token_ids: tuple[int, ...] = (1, 2, 3)) -> SimpleNamespace:
     return SimpleNamespace(
         request_id=req_id, spec_token_ids=list(range(drafts)), is_prefill_chunk=prefill,
-        max_tokens=max_tokens, num_output_tokens=num_output_tokens,
+        max_tokens=max_tokens, num_output_tokens=num_output_tokens, all_token_ids=token_ids,
         sampling_params=SimpleNamespace(seed=seed, temperature=temperature))
 
 
@@ -108,3 +111,15 @@ def test_the_policy_knows_which_requests_sample():
     assert policy.sampled == {"t", "s"}
     controller.freed(request("t", temperature=0.7))
     assert policy.sampled == {"s"}
+
+
+def test_with_prompt_lookup_the_policy_is_told_whose_drafts_lookup_finds():
+    # "b" ends in 5 6, which occurred before: lookup drafts what followed (7); "a" and "c"
+    # end in bigrams seen nowhere before. Seeded requests are not the policy's.
+    running = [request("a"), request("b", token_ids=(5, 6, 7, 5, 6)),
+               request("s", seed=1, temperature=1.0, token_ids=(5, 6, 5, 6)),
+               request("c", token_ids=tuple(range(2000)))]
+    for prompt_lookup, told in ((False, None), (True, [False, True, False])):
+        policy = FixedPolicy([K] * 3, num_draft=K)
+        DraftLengthController(policy, K, prompt_lookup=prompt_lookup).plan_step(running, [])
+        assert policy.planned == [["a", "b", "c"]] and policy.lookup == [told]

@@ -176,7 +176,8 @@ class DraftEveryFourthStep:
     def __init__(self) -> None:
         self.steps = 0
 
-    def plan(self, req_ids: list[str], remaining: list[int] | None = None):
+    def plan(self, req_ids: list[str], remaining: list[int] | None = None,
+             lookup: list[bool] | None = None):
         from vllm_dflash.draft_policy import Plan
 
         self.steps += 1

@@ -104,10 +104,11 @@ ALONE = 2  # prompts run one at a time
 @pytest.fixture(scope="module")
 def runs(useless_pair) -> dict:
     """The trained target's greedy outputs without speculation, and with a random drafter
-    (drafts almost never accepted) without and with prompt lookup; drafts are sampled
-    (draft_sample_method "probabilistic") for a second batch at T = 0.5."""
+    (drafts almost never accepted) without and with prompt lookup, at K = 7; drafts are
+    sampled (draft_sample_method "probabilistic") for a second batch at T = 0.5. Then with
+    lookup and the adaptive draft length."""
     from tests.engines import dflash_llm, generate_ids, heldout_prompts, plain_llm, spec_metrics
-    from vllm_dflash.vllm.config import PROMPT_LOOKUP_ENV
+    from vllm_dflash.vllm.config import DRAFT_LENGTH_ENV, PROMPT_LOOKUP_ENV
 
     prompts = heldout_prompts(NUM_PROMPTS)
     out = {"plain": generate_ids(plain_llm(useless_pair.target), prompts, max_tokens=MAX_TOKENS)}
@@ -131,7 +132,28 @@ def runs(useless_pair) -> dict:
             out["alone drafts"] = spec_metrics(llm)["drafts"] - both["drafts"]
             out["alone drafter passes"] = llm.collective_rpc(_drafter_passes)[0]
         del llm
+    draft_length = os.environ[DRAFT_LENGTH_ENV]  # tests/engines.py's default: fixed
+    os.environ.update({PROMPT_LOOKUP_ENV: "on", DRAFT_LENGTH_ENV: "adaptive"})
+    try:
+        llm = dflash_llm(useless_pair, 7)
+    finally:
+        del os.environ[PROMPT_LOOKUP_ENV]
+        os.environ[DRAFT_LENGTH_ENV] = draft_length
+    out["adaptive"] = generate_ids(llm, prompts, max_tokens=MAX_TOKENS)
+    out["adaptive policy"] = _policy_rates(llm)
+    del llm
     return out
+
+
+def _policy_rates(llm) -> tuple[float, float, float]:
+    """The adaptive policy's position-1 acceptance of the drafter's and of lookup's drafts,
+    and how many lookup drafts it has counted there."""
+    from vllm_dflash.draft_policy import DRAFTER, LOOKUP
+    from vllm_dflash.vllm.scheduler import _controllers
+
+    acceptance = _controllers[llm.llm_engine.engine_core.engine_core.scheduler].policy.acceptance
+    return (float(acceptance.posterior(DRAFTER)[0][0]), float(acceptance.posterior(LOOKUP)[0][0]),
+            float(acceptance.reached[LOOKUP, 0]))
 
 
 def _count_drafter_passes(worker) -> None:
@@ -158,6 +180,14 @@ def test_lookup_drafts_are_accepted_where_the_drafters_are_not(runs):
     # The trained target writes Python source, which repeats its names and lines.
     assert acceptance_length(runs["drafter spec"]) < 1.2
     assert acceptance_length(runs["lookup spec"]) > 2.0
+
+
+def test_the_adaptive_policy_judges_lookup_drafts_apart(runs):
+    # The scheduler tells the adaptive policy which requests' drafts lookup finds: it counts
+    # lookup's acceptance apart from the random drafter's, and the output stays exact.
+    assert runs["adaptive"] == runs["plain"]
+    drafter_rate, lookup_rate, lookup_drafts = runs["adaptive policy"]
+    assert lookup_drafts > 10 and lookup_rate > drafter_rate + 0.3, runs["adaptive policy"]
 
 
 def test_sampled_requests_verify_lookup_drafts(runs):

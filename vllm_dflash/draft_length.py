@@ -6,15 +6,20 @@ tokens the drafter proposes at the end of the step. Seeded sampling requests alw
 the full K: each verified draft token draws from the request's own generator, so its output
 is reproducible only if its draft lengths are, and measured step times are not.
 
+With prompt lookup on, the policy is told which requests' drafts lookup finds (from the
+token ids the scheduler holds, by the rule the drafter applies): their drafts are judged on
+what lookup's drafts accept.
+
 Requests are read by duck typing: `request_id`, `spec_token_ids`, `is_prefill_chunk`,
-`max_tokens`, `num_output_tokens` and `sampling_params` (`seed`, `temperature`), as vLLM's
-scheduler holds them.
+`max_tokens`, `num_output_tokens`, `all_token_ids` and `sampling_params` (`seed`,
+`temperature`), as vLLM's scheduler holds them.
 """
 
 from collections.abc import Collection
 from typing import Any
 
 from vllm_dflash.draft_policy import DraftPolicy
+from vllm_dflash.prompt_lookup import lookup_found
 
 # vLLM decodes greedily below this temperature (its _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
@@ -32,9 +37,10 @@ def is_seeded_sampling(request: Any) -> bool:
 class DraftLengthController:
     """The policy as the scheduler uses it, and the seeded requests it holds."""
 
-    def __init__(self, policy: DraftPolicy, max_draft: int) -> None:
+    def __init__(self, policy: DraftPolicy, max_draft: int, prompt_lookup: bool = False) -> None:
         self.policy = policy
         self.max_draft = max_draft
+        self.prompt_lookup = prompt_lookup
         self.seeded: set[str] = set()  # ids of the seeded sampling requests held
 
     def plan_step(self, running: list[Any], waiting: Collection[Any]) -> int:
@@ -46,7 +52,9 @@ class DraftLengthController:
         # policy plans for the time it takes to finish (the most tokens each may still emit).
         closed = not waiting and len(decoding) == len(running)
         remaining = [r.max_tokens - r.num_output_tokens for r in adaptive] if closed else None
-        plan = self.policy.plan([r.request_id for r in adaptive], remaining)
+        lookup = (lookup_found([r.all_token_ids for r in adaptive])
+                  if self.prompt_lookup and adaptive else None)
+        plan = self.policy.plan([r.request_id for r in adaptive], remaining, lookup)
         for request, length in zip(adaptive, plan.lengths):
             if len(request.spec_token_ids) > length:
                 request.spec_token_ids = request.spec_token_ids[:length]

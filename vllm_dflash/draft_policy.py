@@ -42,6 +42,9 @@ from statistics import NormalDist
 
 import numpy as np
 
+# Where a request's drafts come from (AcceptanceModel): the drafter, or prompt lookup.
+DRAFTER, LOOKUP = 0, 1
+NUM_SOURCES = 2
 # Acceptance before anything is measured: position 1 of a modest drafter, held as a Beta prior
 # worth PRIOR_WEIGHT drafts; position i > 1 takes position i-1's estimate as its prior, since
 # conditional acceptance changes slowly along a block. A strong drafter proves itself within a
@@ -256,29 +259,39 @@ def _nonnegative_slopes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 class AcceptanceModel:
-    """Per-position conditional acceptance of the whole engine, a per-class factor (greedy or
-    sampled requests) and a per-request factor.
+    """Per-position conditional acceptance of the whole engine, per source of drafts (the
+    drafter, or prompt lookup where it is on), a per-class factor (greedy or sampled requests,
+    from either source) and a per-request factor.
 
     Sampling accepts far fewer drafts than greedy decoding (the tiny pair: 7% at position 1
     at T = 1 against 80-95% greedy), so a sampled request starts from what sampled requests
     accepted, not from the engine's mix: the first sampled requests after greedy traffic do
     not draft the full block on the greedy requests' record, and in a mixed batch each kind
-    drafts at its own rate from its first step."""
+    drafts at its own rate from its first step. Prompt lookup's drafts are right or wrong in
+    their own way (a copy goes on or breaks off; the SmolLM2 pair's drafter accepts 1.6 per
+    step, its lookup drafts far more), so they are counted apart, per position and per
+    request: a request that copies drafts the full block while one that does not drafts at
+    the drafter's rate."""
 
     def __init__(self, max_draft: int) -> None:
-        self.reached = np.zeros(max_draft)  # drafts whose position i was reached
-        self.accepted = np.zeros(max_draft)  # ... and accepted there
-        self.requests: dict[str, tuple[float, float]] = {}  # req -> (reached, accepted)
+        # [drafter, lookup] x positions: drafts whose position i was reached, and accepted.
+        self.reached = np.zeros((NUM_SOURCES, max_draft))
+        self.accepted = np.zeros((NUM_SOURCES, max_draft))
+        # (req, source) -> (reached, accepted)
+        self.requests: dict[tuple[str, int], tuple[float, float]] = {}
         self.sampled: set[str] = set()  # requests that sample (the others are greedy)
-        # [greedy, sampled] x [positions reached, accepted], decayed as the tables are.
-        self.by_class = np.zeros((2, 2))
+        self.lookup: set[str] = set()  # requests whose drafts are prompt lookup's this step
+        # Classes (greedy, sampled) x (drafter, lookup) [draft_class] x [positions reached,
+        # accepted], decayed as the tables are.
+        self.by_class = np.zeros((2 * NUM_SOURCES, 2))
         # Per class: the (reached, accepted) counts of the last requests that finished, and
         # the weight of a request's prior that their spread gives.
-        self.finished = (deque(maxlen=FINISHED_REQUESTS), deque(maxlen=FINISHED_REQUESTS))
-        self.request_prior = np.full(2, REQUEST_PRIOR_WEIGHT)
+        self.finished = tuple(deque(maxlen=FINISHED_REQUESTS) for _ in range(2 * NUM_SOURCES))
+        self.request_prior = np.full(2 * NUM_SOURCES, REQUEST_PRIOR_WEIGHT)
 
-    def observe(self, drafts: list[tuple[str, int, int]]) -> None:
-        """drafts: (request id, draft tokens verified, draft tokens accepted) of one step."""
+    def observe(self, drafts: list[tuple[str, int, int]], source: int = DRAFTER) -> None:
+        """drafts: (request id, draft tokens verified, draft tokens accepted), all from one
+        source (DRAFTER or LOOKUP)."""
         if not drafts:
             return
         decay = GLOBAL_DECAY ** len(drafts)
@@ -286,22 +299,32 @@ class AcceptanceModel:
         num_accepted = np.array([d[2] for d in drafts])
         reached = np.minimum(num_accepted + 1, num_draft)
         # Position i (0-based) was reached by the drafts with reached > i: counts from the
-        # histogram's tail sums.
-        self.reached = decay * self.reached + _count_above(reached, len(self.reached))
-        self.accepted = decay * self.accepted + _count_above(num_accepted, len(self.accepted))
+        # histogram's tail sums. A source's table ages with its own drafts.
+        size = self.reached.shape[1]
+        self.reached[source] = decay * self.reached[source] + _count_above(reached, size)
+        self.accepted[source] = decay * self.accepted[source] + _count_above(num_accepted, size)
         self.by_class *= decay
         for (req_id, _, accepted), r in zip(drafts, reached.tolist()):
-            old_reached, old_accepted = self.requests.get(req_id, (0.0, 0.0))
-            self.requests[req_id] = (REQUEST_DECAY * old_reached + r,
-                                     REQUEST_DECAY * old_accepted + accepted)
-            self.by_class[int(req_id in self.sampled)] += (r, accepted)
+            old_reached, old_accepted = self.requests.get((req_id, source), (0.0, 0.0))
+            self.requests[req_id, source] = (REQUEST_DECAY * old_reached + r,
+                                             REQUEST_DECAY * old_accepted + accepted)
+            self.by_class[self.draft_class(req_id, source)] += (r, accepted)
 
-    def posterior(self) -> tuple[np.ndarray, np.ndarray]:
+    def draft_class(self, req_id: str, source: int) -> int:
+        return int(req_id in self.sampled) + 2 * source
+
+    def sources(self, req_ids: list[str]) -> np.ndarray:
+        """[n] the source of each request's drafts: LOOKUP where prompt lookup found them."""
+        return np.array([r in self.lookup for r in req_ids], dtype=np.int64)
+
+    def posterior(self, source: int = DRAFTER) -> tuple[np.ndarray, np.ndarray]:
         """[max_draft] mean and standard deviation of each position's conditional acceptance
-        (Beta posteriors, each position's prior the estimate of the one before)."""
-        mean, std = np.empty(len(self.reached)), np.empty(len(self.reached))
+        of one source's drafts (Beta posteriors, each position's prior the estimate of the one
+        before)."""
+        mean, std = np.empty(self.reached.shape[1]), np.empty(self.reached.shape[1])
         prior = PRIOR_ACCEPTANCE
-        for i, (reached, accepted) in enumerate(zip(self.reached, self.accepted)):
+        for i, (reached, accepted) in enumerate(zip(self.reached[source],
+                                                    self.accepted[source])):
             weight = reached + PRIOR_WEIGHT
             mean[i] = prior = (accepted + prior * PRIOR_WEIGHT) / weight
             std[i] = np.sqrt(mean[i] * (1 - mean[i]) / (weight + 1))
@@ -310,28 +333,32 @@ class AcceptanceModel:
     @property
     def unproven(self) -> bool:
         """Fewer drafts verified than the prior is worth: the estimates are mostly prior."""
-        return bool(self.reached[0] < PRIOR_WEIGHT)
+        return bool(self.reached[:, 0].sum() < PRIOR_WEIGHT)
 
-    def rates(self) -> np.ndarray:
-        """[max_draft] conditional acceptance per position as decisions read it: the posterior
-        mean, raised by OPTIMISM standard deviations."""
-        mean, std = self.posterior()
+    def rates(self, source: int = DRAFTER) -> np.ndarray:
+        """[max_draft] conditional acceptance per position of one source's drafts as decisions
+        read it: the posterior mean, raised by OPTIMISM standard deviations."""
+        mean, std = self.posterior(source)
         return np.minimum(mean + OPTIMISM * std, 1.0)
 
     def expected_accepted(self, req_ids: list[str], low: float = 0.0) -> np.ndarray:
         """[n, max_draft + 1]: E_r(k) for k = 0..max_draft, as decisions read the rates;
         each request's own rate taken `low` of its posterior standard deviations below its
         mean."""
-        reach = np.cumprod(self._request_rates(req_ids, self.rates(), low), axis=1)
+        rates = np.stack([self.rates(source) for source in range(NUM_SOURCES)])
+        sources = self.sources(req_ids)
+        reach = np.cumprod(self._request_rates(req_ids, sources, rates, low), axis=1)
         return _with_zero_draft(np.cumsum(reach, axis=1))
 
-    def accepted_moments(self, req_ids: list[str]
+    def accepted_moments(self, req_ids: list[str], source: int = DRAFTER
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """[n, max_draft + 1] each, for a draft of k = 0..max_draft tokens, at the posterior
-        means: the mean E_r(k) of the tokens it accepts, their variance, and the standard error
-        of E_r(k) that the rates' posteriors give."""
-        position_rates, std = self.posterior()
-        rates = self._request_rates(req_ids, position_rates)
+        """[n, max_draft + 1] each, for a draft of k = 0..max_draft tokens from `source`, at
+        the posterior means: the mean E_r(k) of the tokens it accepts, their variance, and
+        the standard error of E_r(k) that the rates' posteriors give."""
+        posteriors = [self.posterior(s) for s in range(NUM_SOURCES)]
+        std = posteriors[source][1]
+        rates = self._request_rates(req_ids, np.full(len(req_ids), source),
+                                    np.stack([mean for mean, _ in posteriors]))
         # A draft of k tokens accepts at least j of them (j <= k) with probability
         # reach_j = prod_{i<=j} a_i, so E[A] = sum_j reach_j and E[A^2] = sum_j (2j - 1) reach_j.
         reach = np.cumprod(rates, axis=1)
@@ -344,34 +371,39 @@ class AcceptanceModel:
         error = np.sqrt(((slopes * std) ** 2).sum(axis=2))
         return mean, _with_zero_draft(variance), _with_zero_draft(error)
 
-    def _request_rates(self, req_ids: list[str], position_rates: np.ndarray,
-                       low: float = 0.0) -> np.ndarray:
-        """[n, max_draft]: the engine's per-position rates, shifted to each request (its own
-        rate `low` posterior standard deviations below its mean)."""
-        overall = (self.accepted.sum() + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (
-            self.reached.sum() + PRIOR_WEIGHT)
+    def _request_rates(self, req_ids: list[str], sources: np.ndarray,
+                       position_rates: np.ndarray, low: float = 0.0) -> np.ndarray:
+        """[n, max_draft]: each source's per-position rates (position_rates [sources,
+        max_draft]), shifted to each request (its own rate `low` posterior standard deviations
+        below its mean)."""
+        overall = (self.accepted.sum(axis=1) + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (
+            self.reached.sum(axis=1) + PRIOR_WEIGHT)
         # Each class's rate, from the prior where it has no drafts yet; with one class of
         # traffic it is the engine's.
         class_rate = (self.by_class[:, 1] + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (
             self.by_class[:, 0] + PRIOR_WEIGHT)
-        classes = np.array([r in self.sampled for r in req_ids], dtype=np.int64)
-        own = np.array([self.requests.get(r, (0.0, 0.0)) for r in req_ids]).reshape(-1, 2)
+        classes = np.array([self.draft_class(r, s) for r, s in zip(req_ids, sources.tolist())],
+                           dtype=np.int64)
+        own = np.array([self.requests.get((r, s), (0.0, 0.0))
+                        for r, s in zip(req_ids, sources.tolist())]).reshape(-1, 2)
         prior = self.request_prior[classes]
         own_rate = (own[:, 1] + class_rate[classes] * prior) / (own[:, 0] + prior)
         own_rate -= low * np.sqrt(own_rate * (1 - own_rate) / (own[:, 0] + prior + 1))
         # A request's own rate, shrunk towards its class's, shifts every position's log-odds
-        # by its own log-odds against the engine's: easy requests approach 1 at every position.
-        shift = _logit(own_rate) - _logit(overall)
-        return _sigmoid(_logit(position_rates)[None, :] + shift[:, None])
+        # by its own log-odds against its source's: easy requests approach 1 at every position.
+        shift = _logit(own_rate) - _logit(overall[sources])
+        return _sigmoid(_logit(position_rates[sources]) + shift[:, None])
 
     def finish(self, req_id: str) -> None:
-        """A request ended: its counts join its class's record of how requests differ."""
-        cls = int(req_id in self.sampled)
+        """A request ended: its counts join its classes' records of how requests differ."""
+        for source in range(NUM_SOURCES):
+            cls = self.draft_class(req_id, source)
+            counts = self.requests.pop((req_id, source), None)
+            if counts is not None and counts[0] >= 1.0:
+                self.finished[cls].append(counts)
+                self.request_prior[cls] = request_prior_weight(np.array(self.finished[cls]))
         self.sampled.discard(req_id)
-        counts = self.requests.pop(req_id, None)
-        if counts is not None and counts[0] >= 1.0:
-            self.finished[cls].append(counts)
-            self.request_prior[cls] = request_prior_weight(np.array(self.finished[cls]))
+        self.lookup.discard(req_id)
 
     def forget(self) -> None:
         """Drops every count: they describe traffic that has changed (_Choice.disproved)."""
@@ -385,7 +417,7 @@ class AcceptanceModel:
 
     def forget_except(self, req_ids: list[str]) -> None:
         keep = set(req_ids)
-        self.requests = {r: v for r, v in self.requests.items() if r in keep}
+        self.requests = {key: v for key, v in self.requests.items() if key[0] in keep}
 
 
 def request_prior_weight(finished: np.ndarray) -> float:
@@ -432,16 +464,17 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 @dataclass
 class _Choice:
     batch: tuple[str, ...]  # the request ids it was made for, in order
+    lookup: frozenset[str]  # ... those whose drafts were prompt lookup's
     lengths: np.ndarray
     step: int
     hold: int  # steps it holds
-    # What the estimates behind it say a draft of each length 0..max_draft accepts, as means
-    # over the batch, max_draft + 1 each: the mean, the variance of a draft's outcome, and
-    # the standard error of the mean itself (from the rates' posteriors). Python lists:
-    # record() reads them once per draft, every step.
-    accepted_mean: list[float]
-    accepted_variance: list[float]
-    accepted_mean_error: list[float]
+    # What the estimates behind it say a draft of each length 0..max_draft from each source
+    # accepts, as means over the batch, [source][length]: the mean, the variance of a draft's
+    # outcome, and the standard error of the mean itself (from the rates' posteriors). Python
+    # lists: record() reads them once per draft, every step.
+    accepted_mean: list[list[float]]
+    accepted_variance: list[list[float]]
+    accepted_mean_error: list[list[float]]
     # ... and the drafts verified since, against them.
     drafts: int = 0
     accepted: float = 0.0
@@ -449,15 +482,22 @@ class _Choice:
     variance: float = 0.0
     error: float = 0.0
 
-    def record(self, drafts: list[tuple[str, int, int]]) -> None:
-        mean, variance, error = (self.accepted_mean, self.accepted_variance,
-                                 self.accepted_mean_error)
+    def record(self, drafts: list[tuple[str, int, int]], source: int) -> None:
+        mean, variance, error = (self.accepted_mean[source], self.accepted_variance[source],
+                                 self.accepted_mean_error[source])
         for _, verified, accepted in drafts:
             self.accepted += accepted
             self.predicted += mean[verified]
             self.variance += variance[verified]
             self.error += error[verified]
         self.drafts += len(drafts)
+
+    def sources_changed(self, req_ids: list[str], lookup: set[str]) -> bool:
+        """Whether a request it was made for now drafts from the other source."""
+        if not self.lookup and not lookup:
+            return False
+        return any((r in self.lookup) != (r in lookup)
+                   for r in set(self.batch).intersection(req_ids))
 
     @property
     def disproved(self) -> bool:
@@ -496,18 +536,23 @@ class DraftPolicy:
         self.exploring = True
         self.steps = 0
         self.chosen: _Choice | None = None
-        self.pending_drafts: list[tuple[str, int, int]] = []
+        # Per source: drafts verified since the estimates last read them.
+        self.pending_drafts: list[list[tuple[str, int, int]]] = [[] for _ in range(NUM_SOURCES)]
         self.pending_steps: list[tuple[int, int, int, bool, float]] = []
         self.seen_shapes: set[tuple[int, int, bool]] = set()  # (tokens, requests, drafted)
         self.last_step_end: float | None = None  # None: idle, the next step starts at plan()
         self.step_start = 0.0
         self.report = _Report(self.levels)
 
-    def plan(self, req_ids: list[str], remaining: list[int] | None = None) -> Plan:
+    def plan(self, req_ids: list[str], remaining: list[int] | None = None,
+             lookup: list[bool] | None = None) -> Plan:
         """Draft lengths for the decoding requests req_ids of the coming step. remaining:
         the most tokens each may still emit, given when no request waits to join the batch
-        (then the batch's finish time decides, choose)."""
+        (then the batch's finish time decides, choose). lookup: with prompt lookup on, whether
+        it finds each request's drafts (those it verifies now, and likely its next)."""
         max_draft = int(self.levels[-1])
+        if lookup is not None:
+            self.acceptance.lookup = {r for r, found in zip(req_ids, lookup) if found}
         if self.last_step_end is None:
             self.step_start = time.perf_counter()
         if not req_ids:
@@ -521,6 +566,8 @@ class DraftPolicy:
         if chosen is not None and chosen.disproved:
             holds, chosen.hold = False, self.steps - chosen.step  # it held this long
             self.acceptance.forget()
+        if holds and self.drafting and chosen.sources_changed(req_ids, self.acceptance.lookup):
+            holds = False  # a request's drafts change source: its length is chosen anew
         if holds and chosen.batch == batch:
             lengths = chosen.lengths.copy()
         elif holds and chosen.uniform and chosen.remaining(req_ids) >= HOLD_MIN_REMAINING:
@@ -528,7 +575,8 @@ class DraftPolicy:
             lengths = np.full(len(req_ids), chosen.lengths[0])
         else:
             lengths = self.choose(req_ids, remaining)
-            self.chosen = _Choice(batch, lengths.copy(), self.steps, self._hold(chosen, lengths),
+            self.chosen = _Choice(batch, frozenset(self.acceptance.lookup.intersection(batch)),
+                                  lengths.copy(), self.steps, self._hold(chosen, lengths),
                                   *self._prediction(req_ids))
         num_draft = int(lengths.max())
         if self.drafting and self.steps % PROBE_INTERVAL == 0:
@@ -539,7 +587,7 @@ class DraftPolicy:
                 # every step, and the drafter runs for the next: a strong drafter is found
                 # within a few steps of a burst's start.
                 if self.steps >= EXPLORE_FIRST_STEP:
-                    self._explore(lengths, self.steps)
+                    self._explore(lengths, self.steps, req_ids)
                 num_draft = max_draft
             else:
                 interval = self.explore_interval  # a power of 2: its phases stay aligned
@@ -547,16 +595,20 @@ class DraftPolicy:
                 if phase == interval - 1:
                     num_draft = max_draft  # full drafts ready for the exploring step
                 elif phase == 0:
-                    self._explore(lengths, self.steps // interval)
-        self.report.add(lengths, num_draft > 0)
+                    self._explore(lengths, self.steps // interval, req_ids)
+        self.report.add(lengths, num_draft > 0, self.acceptance.sources(req_ids))
         return Plan(lengths.tolist(), num_draft)
 
-    def _explore(self, lengths: np.ndarray, turn: int) -> None:
+    def _explore(self, lengths: np.ndarray, turn: int, req_ids: list[str]) -> None:
         """Gives the full block to EXPLORE_WIDTHS[turn] requests (cyclically), from request
-        `turn` on."""
-        width = min(EXPLORE_WIDTHS[turn % len(EXPLORE_WIDTHS)], len(lengths))
-        first = turn % len(lengths)
-        lengths[np.arange(first, first + width) % len(lengths)] = self.levels[-1]
+        `turn` on, of those whose drafts come from the source measured least."""
+        sources = self.acceptance.sources(req_ids)
+        present = np.unique(sources)
+        least = present[np.argmin(self.acceptance.reached[present, 0])]
+        candidates = np.flatnonzero(sources == least)
+        width = min(EXPLORE_WIDTHS[turn % len(EXPLORE_WIDTHS)], len(candidates))
+        first = turn % len(candidates)
+        lengths[candidates[np.arange(first, first + width) % len(candidates)]] = self.levels[-1]
 
     def _hold(self, last: _Choice | None, lengths: np.ndarray) -> int:
         """How many steps a new choice of lengths holds."""
@@ -647,11 +699,15 @@ class DraftPolicy:
         best = int(np.argmax(np.where(draft_tokens > 0, rates, -np.inf)))
         return lengths[best], float(rates[best]), float(rates[-1])
 
-    def _prediction(self, req_ids: list[str]) -> tuple[list[float], list[float], list[float]]:
-        """max_draft + 1 each, means over the batch: the tokens a draft of each length
-        accepts by the posterior means, their variance, and the standard error of the mean."""
-        moments = self.acceptance.accepted_moments(req_ids)
-        return tuple(m.mean(axis=0).tolist() for m in moments)
+    def _prediction(self, req_ids: list[str]
+                    ) -> tuple[list[list[float]], list[list[float]], list[list[float]]]:
+        """[source][max_draft + 1] each, means over the batch: the tokens a draft of each
+        length accepts by the posterior means, their variance, and the standard error of the
+        mean."""
+        per_source = [self.acceptance.accepted_moments(req_ids, source)
+                      for source in range(NUM_SOURCES)]
+        return tuple([moments[i].mean(axis=0).tolist() for moments in per_source]
+                     for i in range(3))
 
     def could_pay(self, n: int, off_rate: float) -> bool:
         """Whether drafting at some level would beat plain decoding for n requests if every
@@ -688,9 +744,12 @@ class DraftPolicy:
         # step ended covers scheduling, the forward pass, sampling, drafting and output.
         start = self.step_start if self.last_step_end is None else self.last_step_end
         self.last_step_end = now
-        self.pending_drafts += drafts
-        if self.chosen is not None:
-            self.chosen.record(drafts)
+        lookup = self.acceptance.lookup
+        for source, part in enumerate((
+                [d for d in drafts if d[0] not in lookup], [d for d in drafts if d[0] in lookup])):
+            self.pending_drafts[source] += part
+            if self.chosen is not None:
+                self.chosen.record(part, source)
         draft_tokens = sum(verified for _, verified, _ in drafts)
         # The first step of each shape pays one-time costs later ones do not (on the CPU
         # build, oneDNN builds GEMM primitives for each new token count: 2-6 ms more on the
@@ -712,8 +771,12 @@ class DraftPolicy:
         if self.pending_steps:
             self.cost.observe(*map(np.array, zip(*self.pending_steps)))
             self.pending_steps = []
-        self.acceptance.observe(self.pending_drafts)
-        self.pending_drafts = []
+        self._absorb_drafts()
+
+    def _absorb_drafts(self) -> None:
+        for source, drafts in enumerate(self.pending_drafts):
+            self.acceptance.observe(drafts, source)
+            drafts.clear()
 
     def request_added(self, req_id: str, sampled: bool) -> None:
         """A new request, and whether it samples (temperature > 0) or decodes greedily."""
@@ -721,8 +784,7 @@ class DraftPolicy:
             self.acceptance.sampled.add(req_id)
 
     def request_freed(self, req_id: str) -> None:
-        self.acceptance.observe(self.pending_drafts)  # its last drafts count too
-        self.pending_drafts = []
+        self._absorb_drafts()  # its last drafts count too
         self.acceptance.finish(req_id)
 
     def idle(self) -> None:
@@ -745,12 +807,14 @@ class _Report:
 
     def reset(self) -> None:
         self.since = time.perf_counter()
-        self.counts = np.zeros(len(self.levels), dtype=np.int64)
+        self.counts = np.zeros((NUM_SOURCES, len(self.levels)), dtype=np.int64)
         self.steps = self.drafting_steps = 0
 
-    def add(self, lengths: np.ndarray, drafting: bool) -> None:
-        self.counts += np.bincount(np.searchsorted(self.levels, lengths),
-                                   minlength=len(self.levels))
+    def add(self, lengths: np.ndarray, drafting: bool, sources: np.ndarray) -> None:
+        for source in range(NUM_SOURCES):
+            self.counts[source] += np.bincount(
+                np.searchsorted(self.levels, lengths[sources == source]),
+                minlength=len(self.levels))
         self.steps += 1
         self.drafting_steps += drafting
 
@@ -759,16 +823,23 @@ class _Report:
         return self.steps > 0 and (interval_over or flush)
 
     def take(self, policy: DraftPolicy) -> str:
-        total = self.counts.sum()
-        mean = float(self.counts @ self.levels) / total
-        shares = ", ".join(f"{k}: {c / total:.0%}" for k, c in zip(self.levels, self.counts))
-        rates = " ".join(f"{a:.2f}" for a in policy.acceptance.rates())
+        counts = self.counts.sum(axis=0)
+        total = counts.sum()
+        mean = float(counts @ self.levels) / total
+        shares = ", ".join(f"{k}: {c / total:.0%}" for k, c in zip(self.levels, counts))
+        rates = " ".join(f"{a:.2f}" for a in policy.acceptance.rates(DRAFTER))
         line = (f"mean draft length {mean:.2f} per request-step ({shares}), drafter on in "
                 f"{self.drafting_steps / self.steps:.0%} of {self.steps} steps; "
-                f"acceptance per position {rates}; step cost "
-                f"profile + {policy.cost.overhead * 1e3:.1f} ms + "
-                f"{policy.cost.per_request * 1e3:.2f} ms per request + "
-                f"{policy.cost.per_draft_token * 1e3:.3f} ms per draft token + "
-                f"{policy.cost.drafter_extra * 1e3:.2f} ms when the drafter runs")
+                f"acceptance per position {rates}; ")
+        lookup = self.counts[LOOKUP]
+        if lookup.any() or policy.acceptance.reached[LOOKUP].any():
+            lookup_rates = " ".join(f"{a:.2f}" for a in policy.acceptance.rates(LOOKUP))
+            line += (f"prompt lookup's drafts at {lookup.sum() / total:.0%} of request-steps, "
+                     f"mean length {float(lookup @ self.levels) / max(lookup.sum(), 1):.2f}, "
+                     f"acceptance per position {lookup_rates}; ")
+        line += (f"step cost profile + {policy.cost.overhead * 1e3:.1f} ms + "
+                 f"{policy.cost.per_request * 1e3:.2f} ms per request + "
+                 f"{policy.cost.per_draft_token * 1e3:.3f} ms per draft token + "
+                 f"{policy.cost.drafter_extra * 1e3:.2f} ms when the drafter runs")
         self.reset()
         return line

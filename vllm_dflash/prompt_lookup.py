@@ -21,6 +21,9 @@ correctness: the target verifies every draft.
 Pure torch: no vLLM.
 """
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 MIN_NGRAM = 2
@@ -56,6 +59,17 @@ def lookup_drafts(context: torch.Tensor, num_draft: int, min_ngram: int = MIN_NG
         extended[:, width + j] = extended[rows, width + j - period]
     drafts = torch.where(found[:, None], extended[:, width:], 0)
     return drafts, found
+
+
+def lookup_found(token_ids: Sequence[Sequence[int]], width: int = LOOKUP_WINDOW) -> list[bool]:
+    """Whether lookup_drafts finds drafts for each request, from its token ids as a host list
+    (the anchor last): the scheduler's view, for the draft-length policy."""
+    rows = [row[-width:] for row in token_ids]
+    context = np.full((len(rows), max(map(len, rows), default=0)), -1, dtype=np.int64)
+    for i, row in enumerate(rows):
+        context[i, context.shape[1] - len(row):] = row
+    # Found by the longest n-gram or not at all: the shortest one's match decides.
+    return lookup_drafts(torch.from_numpy(context), 1, max_ngram=MIN_NGRAM)[1].tolist()
 
 
 def with_lookup_drafts(tokens: torch.Tensor, probs: torch.Tensor | None,

@@ -11,7 +11,12 @@ import weakref
 
 from vllm_dflash.draft_length import DraftLengthController
 from vllm_dflash.draft_policy import DraftPolicy
-from vllm_dflash.vllm.config import DRAFT_LENGTH_ENV, draft_length_mode, runs_vllm_dflash
+from vllm_dflash.vllm.config import (
+    DRAFT_LENGTH_ENV,
+    draft_length_mode,
+    prompt_lookup_on,
+    runs_vllm_dflash,
+)
 
 logger = logging.getLogger("vllm.vllm_dflash")  # inherits vLLM's log handler
 
@@ -50,7 +55,8 @@ def patch_engine_core() -> None:
             return
         profile = self.collective_rpc(_profile_step_costs)[0]
         policy = DraftPolicy(spec.num_speculative_tokens, profile)
-        _controllers[self.scheduler] = DraftLengthController(policy, spec.num_speculative_tokens)
+        _controllers[self.scheduler] = DraftLengthController(
+            policy, spec.num_speculative_tokens, prompt_lookup=prompt_lookup_on())
         logger.info(
             "vllm-dflash: adaptive draft length, 0..%d tokens per request and step "
             "(%s=fixed for always %d); start-up profile (ms): target at %s tokens: %s, "
