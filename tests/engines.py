@@ -438,14 +438,15 @@ def reference_acceptance(pair: Pair, prompt_ids: list[list[int]], max_new_tokens
         for ids in prompt_ids], max_new_tokens)
 
 
-def count_calls(owner, name: str, counts, key: str) -> None:
-    """Replaces owner.<name> with a wrapper that adds 1 to counts.<key> per call (an engine's
-    worker objects, read back later through collective_rpc)."""
+def count_calls(owner, name: str, counts, key: str, amount=None) -> None:
+    """Replaces owner.<name> with a wrapper that adds 1 (or amount(*args) of the call) to
+    counts.<key> per call (an engine's worker objects, read back later through
+    collective_rpc)."""
     method = getattr(owner, name)
     setattr(counts, key, 0)
 
     def counting(*args, **kwargs):
-        setattr(counts, key, getattr(counts, key) + 1)
+        setattr(counts, key, getattr(counts, key) + (1 if amount is None else amount(*args)))
         return method(*args, **kwargs)
 
     setattr(owner, name, counting)

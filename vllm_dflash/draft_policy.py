@@ -142,6 +142,9 @@ class StepProfile:
     target_s: list[float]
     batch_sizes: list[int]
     drafter_s: list[float]
+    # The drafter's pass leaves out the requests prompt lookup drafts for (DraftRunner on the
+    # CPU): a step pays for the others' rows only.
+    lookup_skips_drafter: bool = False
 
 
 def _interp(x: np.ndarray, xs: list[int], ys: list[float]) -> np.ndarray:
@@ -151,10 +154,10 @@ def _interp(x: np.ndarray, xs: list[int], ys: list[float]) -> np.ndarray:
 
 
 class StepCostModel:
-    """time = profiled(T, n, g) + overhead + per_request * n + per_draft_token * d
+    """time = profiled(T, m) + overhead + per_request * n + per_draft_token * d
               + drafter_extra * g,
-    for a step of T query tokens, n requests and d verified draft tokens, g = 1 when the
-    drafter ran at its end.
+    for a step of T query tokens, n requests and d verified draft tokens, whose end ran the
+    drafter for m requests (g = 1 when m > 0, then profiled adds drafter(m)).
 
     The profile is trusted for how a step's cost grows with its query tokens: that is what
     the start-up runs measure well. What they leave out is fitted by exponentially weighted
@@ -201,32 +204,34 @@ class StepCostModel:
     def drafter_extra(self) -> float:
         return float(self.slopes[2])
 
-    def profiled(self, tokens: np.ndarray, batch_size: int | np.ndarray,
-                 drafted: np.ndarray) -> np.ndarray:
+    def profiled(self, tokens: np.ndarray, drafter_rows: np.ndarray) -> np.ndarray:
+        """The target's pass over `tokens` query tokens, and the drafter's over drafter_rows
+        requests (0: it did not run)."""
         p = self.profile
         target = _interp(tokens, p.tokens, p.target_s)
-        drafter = _interp(np.asarray(batch_size), p.batch_sizes, p.drafter_s)
-        return target + np.where(drafted, drafter, 0.0)
+        drafter = _interp(np.asarray(drafter_rows), p.batch_sizes, p.drafter_s)
+        return target + np.where(np.asarray(drafter_rows) > 0, drafter, 0.0)
 
     def unprofiled(self, draft_tokens: np.ndarray, batch_size: int | np.ndarray,
-                   drafted: np.ndarray) -> np.ndarray:
+                   drafter_rows: np.ndarray) -> np.ndarray:
         return (self.overhead + self.per_request * np.asarray(batch_size)
                 + self.per_draft_token * np.asarray(draft_tokens)
-                + self.drafter_extra * np.asarray(drafted, dtype=float))
+                + self.drafter_extra * (np.asarray(drafter_rows) > 0))
 
     def predict(self, tokens: np.ndarray, draft_tokens: np.ndarray, batch_size: int,
-                drafted: np.ndarray) -> np.ndarray:
-        return (self.profiled(tokens, batch_size, drafted)
-                + self.unprofiled(draft_tokens, batch_size, drafted))
+                drafter_rows: np.ndarray) -> np.ndarray:
+        return (self.profiled(tokens, drafter_rows)
+                + self.unprofiled(draft_tokens, batch_size, drafter_rows))
 
     def observe(self, tokens: np.ndarray, draft_tokens: np.ndarray, batch_sizes: np.ndarray,
-                drafted: np.ndarray, seconds: np.ndarray) -> None:
+                drafter_rows: np.ndarray, seconds: np.ndarray) -> None:
         """Steps measured since the last update, oldest first: one value per step in each
         array (scalars for one step)."""
-        tokens, draft_tokens, batch_sizes, drafted, seconds = map(
-            np.atleast_1d, (tokens, draft_tokens, batch_sizes, drafted, seconds))
-        n, d, g = batch_sizes.astype(float), draft_tokens.astype(float), drafted.astype(float)
-        x = self.profiled(tokens, n, drafted)
+        tokens, draft_tokens, batch_sizes, drafter_rows, seconds = map(
+            np.atleast_1d, (tokens, draft_tokens, batch_sizes, drafter_rows, seconds))
+        n, d = batch_sizes.astype(float), draft_tokens.astype(float)
+        g = (drafter_rows > 0).astype(float)
+        x = self.profiled(tokens, drafter_rows)
         # A pause (GC, another process) must not swing the fit: clip to 4x the prediction.
         r = np.minimum(seconds, 4.0 * (x + self.unprofiled(d, n, g))) - x
         # The newest step weighs 1, each older one COST_DECAY times less; a step without
@@ -538,8 +543,12 @@ class DraftPolicy:
         self.chosen: _Choice | None = None
         # Per source: drafts verified since the estimates last read them.
         self.pending_drafts: list[list[tuple[str, int, int]]] = [[] for _ in range(NUM_SOURCES)]
-        self.pending_steps: list[tuple[int, int, int, bool, float]] = []
-        self.seen_shapes: set[tuple[int, int, bool]] = set()  # (tokens, requests, drafted)
+        self.pending_steps: list[tuple[int, int, int, int, float]] = []
+        # (tokens, requests, requests the drafter ran for)
+        self.seen_shapes: set[tuple[int, int, int]] = set()
+        # Of this step's requests, those the drafter's pass leaves to lookup (0 unless the
+        # profile says it does).
+        self.lookup_rows = 0
         self.last_step_end: float | None = None  # None: idle, the next step starts at plan()
         self.step_start = 0.0
         self.report = _Report(self.levels)
@@ -553,6 +562,8 @@ class DraftPolicy:
         max_draft = int(self.levels[-1])
         if lookup is not None:
             self.acceptance.lookup = {r for r, found in zip(req_ids, lookup) if found}
+        self.lookup_rows = (len(self.acceptance.lookup.intersection(req_ids))
+                            if self.cost.profile.lookup_skips_drafter else 0)
         if self.last_step_end is None:
             self.step_start = time.perf_counter()
         if not req_ids:
@@ -657,7 +668,8 @@ class DraftPolicy:
     def _step_s(self, lengths: np.ndarray) -> float:
         """The predicted seconds of a step that verifies these draft lengths."""
         n, draft_tokens = len(lengths), int(lengths.sum())
-        return float(self.cost.predict(n + draft_tokens, draft_tokens, n, draft_tokens > 0))
+        return float(self.cost.predict(n + draft_tokens, draft_tokens, n,
+                                       self._drafter_rows(n, draft_tokens)))
 
     def _fastest_step(self, expected: np.ndarray) -> tuple[np.ndarray, float, float]:
         """The drafting plan of the most tokens per second this step, its rate, and the rate
@@ -665,7 +677,7 @@ class DraftPolicy:
         n = len(expected)
         # One length for the whole batch (what a fixed K is), at every level; level 0 is off.
         rates = (n + expected.sum(axis=0)) / self.cost.predict(
-            n + n * self.levels, n * self.levels, n, self.levels > 0)
+            n + n * self.levels, n * self.levels, n, self._drafter_rows(n, self.levels))
         best = 1 + int(np.argmax(rates[1:]))
         lengths, on = np.full(n, self.levels[best]), rates[best]
         # Lengths per request only when predicted clearly faster: uniform batches keep the
@@ -694,7 +706,7 @@ class DraftPolicy:
         lengths = self.levels[fits.argmax(axis=2)]  # the shortest that fits, [F, n]
         draft_tokens = lengths.sum(axis=1)
         seconds = finishes * self.cost.predict(n + draft_tokens, draft_tokens, n,
-                                               draft_tokens > 0)
+                                               self._drafter_rows(n, draft_tokens))
         rates = remaining.sum() / seconds
         best = int(np.argmax(np.where(draft_tokens > 0, rates, -np.inf)))
         return lengths[best], float(rates[best]), float(rates[-1])
@@ -709,11 +721,17 @@ class DraftPolicy:
         return tuple([moments[i].mean(axis=0).tolist() for moments in per_source]
                      for i in range(3))
 
+    def _drafter_rows(self, n: int, draft_tokens: np.ndarray | int) -> np.ndarray:
+        """The requests the drafter's pass runs for in a step of n requests that drafts
+        draft_tokens tokens (none when it drafts none)."""
+        return np.where(np.asarray(draft_tokens) > 0, n - self.lookup_rows, 0)
+
     def could_pay(self, n: int, off_rate: float) -> bool:
         """Whether drafting at some level would beat plain decoding for n requests if every
         draft were accepted: if not, exploring cannot find a length that pays."""
         ideal = n * (1 + self.levels[1:]) / self.cost.predict(
-            n * (1 + self.levels[1:]), n * self.levels[1:], n, np.ones(len(self.levels) - 1))
+            n * (1 + self.levels[1:]), n * self.levels[1:], n,
+            self._drafter_rows(n, self.levels[1:]))
         return bool(ideal.max() > off_rate)
 
     def _per_request(self, expected: np.ndarray) -> tuple[np.ndarray, float]:
@@ -730,7 +748,7 @@ class DraftPolicy:
         extra_tokens = np.cumsum(np.broadcast_to(width, gain.shape).ravel()[order])
         extra_gain = np.cumsum(gain.ravel()[order])
         tokens_per_s = (n + extra_gain) / self.cost.predict(n + extra_tokens, extra_tokens, n,
-                                                            True)
+                                                            n - self.lookup_rows)
         best = int(np.argmax(tokens_per_s))
         lengths = self.levels[np.bincount(rows.ravel()[order[: best + 1]], minlength=n)]
         return lengths, float(tokens_per_s[best])
@@ -738,8 +756,9 @@ class DraftPolicy:
     def observe(self, drafts: list[tuple[str, int, int]], num_tokens: int, batch_size: int,
                 drafted: bool) -> None:
         """One finished step: its drafts' (request, verified, accepted), the query tokens and
-        requests it ran, and whether the drafter ran at its end."""
+        requests it ran, and whether the drafter was asked for drafts at its end."""
         now = time.perf_counter()
+        drafter_rows = max(batch_size - self.lookup_rows, 0) if drafted else 0
         # Steps follow each other back to back while requests run: the time since the last
         # step ended covers scheduling, the forward pass, sampling, drafting and output.
         start = self.step_start if self.last_step_end is None else self.last_step_end
@@ -754,7 +773,7 @@ class DraftPolicy:
         # The first step of each shape pays one-time costs later ones do not (on the CPU
         # build, oneDNN builds GEMM primitives for each new token count: 2-6 ms more on the
         # tiny pair), which the fit would read as what that kind of step always costs.
-        shape = (num_tokens, batch_size, drafted)
+        shape = (num_tokens, batch_size, drafter_rows)
         seen = shape in self.seen_shapes
         if not seen and len(self.seen_shapes) < MAX_SHAPES_SEEN:
             self.seen_shapes.add(shape)
@@ -762,7 +781,7 @@ class DraftPolicy:
         # says (KV injection of the whole prompt, the new request's set-up), and such a step
         # verifies no drafts, so it would pass for a cheap step without drafts.
         if seen and num_tokens == batch_size + draft_tokens:
-            self.pending_steps.append((num_tokens, draft_tokens, batch_size, drafted,
+            self.pending_steps.append((num_tokens, draft_tokens, batch_size, drafter_rows,
                                        now - start))
 
     def _absorb(self) -> None:

@@ -237,19 +237,43 @@ class DraftRunner:
         CUDA graph when one fits the batch. Sampled drafts leave their distributions in
         last_draft_probs, where the runner reads them for verification. With prompt lookup,
         the requests it finds drafts for take those (one-hot distributions); on the CPU,
-        where that is known without a device sync, a greedy batch that it finds drafts for
-        throughout skips the drafter's pass."""
+        where that is known without a device sync, the drafter's pass of a greedy batch runs
+        for the other requests only."""
         lookup = self.lookup(anchor_ids, batch, num_draft)
-        if (lookup is not None and sampling is None and self.device.type == "cpu"
-                and bool(lookup[1].all())):
-            self.last_draft_probs = None
-            return lookup[0]
+        if self.lookup_skips_drafter and sampling is None:
+            return self.drafts_where_lookup_fails(anchor_ids, batch, num_draft, anchor_states,
+                                                  *lookup)
         tokens, self.last_draft_probs = self.choose_tokens(
             self.block_hidden(anchor_ids, batch)[:, :num_draft], anchor_ids, sampling,
             anchor_states)
         if lookup is not None:
             tokens = with_lookup_drafts(tokens, self.last_draft_probs, *lookup)
         return tokens
+
+    def drafts_where_lookup_fails(self, anchor_ids: torch.Tensor, batch: DraftBatch,
+                                  num_draft: int, anchor_states: torch.Tensor | None,
+                                  lookup_tokens: torch.Tensor, found: torch.Tensor
+                                  ) -> torch.Tensor:
+        """Greedy drafts: lookup's where it found them, the drafter's for the other requests,
+        from a pass over those alone (none when lookup found drafts for every request)."""
+        self.last_draft_probs = None
+        rows = (~found).nonzero().flatten()
+        if rows.numel() == 0:
+            return lookup_tokens
+        others = DraftBatch(batch.block_table[rows], batch.context_lens[rows],
+                            batch.query_start_loc[: rows.numel() + 1],
+                            batch.anchor_positions[rows])
+        hidden = self.block_hidden(anchor_ids[rows], others)[:, :num_draft]
+        tokens, _ = self.choose_tokens(hidden, anchor_ids[rows], None,
+                                       None if anchor_states is None else anchor_states[rows])
+        lookup_tokens[rows] = tokens.to(lookup_tokens.dtype)
+        return lookup_tokens
+
+    @property
+    def lookup_skips_drafter(self) -> bool:
+        """Whether the drafter's pass leaves out the requests lookup drafts for: on the CPU,
+        where which ones those are is known without a device sync."""
+        return self.token_history is not None and self.device.type == "cpu"
 
     def lookup(self, anchor_ids: torch.Tensor, batch: DraftBatch, num_draft: int
                ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -393,7 +417,10 @@ class DraftRunner:
             max_reqs,
             lambda n: self.draft_tokens(*self.dummy_draft_inputs(n), self.num_speculative_tokens),
             self.device)
-        return StepProfile(tokens, target_s, batch_sizes, drafter_s)
+        # On the CPU the pass leaves out the requests lookup drafts for (greedy drafts:
+        # drafts_where_lookup_fails).
+        return StepProfile(tokens, target_s, batch_sizes, drafter_s,
+                           lookup_skips_drafter=self.lookup_skips_drafter)
 
 
 def target_step(runner: Any, num_tokens: int, context_len: int) -> None:
