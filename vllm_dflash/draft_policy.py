@@ -30,6 +30,11 @@ as low as the slowest of n requests may turn out (DraftPolicy._finish_together).
 request's first drafts move its own rate depends on how much finished requests differed
 (request_prior_weight).
 
+With prompt lookup on, a request's drafts come from lookup or from the drafter, step by step;
+a_{r,i} is read from the source its drafts come from (AcceptanceModel), and where the drafter's
+pass leaves lookup's requests out (StepProfile.lookup_skips_drafter) drafter(n) counts the
+others only.
+
 Pure Python + numpy: no vLLM, no device work, no synchronisation. vLLM's scheduler calls it
 (vllm/scheduler.py), where acceptance counts and step times are already on the host.
 """
