@@ -20,6 +20,7 @@ class FixedPolicy:
         self.observed: list[tuple] = []
         self.idled = 0
         self.sampled: set[str] = set()
+        self.prompt_lookup = False
 
     def plan(self, req_ids: list[str], remaining: list[int] | None = None,
              lookup: list[bool] | None = None) -> Plan:
@@ -121,5 +122,6 @@ def test_with_prompt_lookup_the_policy_is_told_whose_drafts_lookup_finds():
                request("c", token_ids=tuple(range(2000)))]
     for prompt_lookup, told in ((False, None), (True, [False, True, False])):
         policy = FixedPolicy([K] * 3, num_draft=K)
-        DraftLengthController(policy, K, prompt_lookup=prompt_lookup).plan_step(running, [])
+        policy.prompt_lookup = prompt_lookup
+        DraftLengthController(policy, K).plan_step(running, [])
         assert policy.planned == [["a", "b", "c"]] and policy.lookup == [told]

@@ -605,7 +605,8 @@ def test_requests_draft_long_where_lookup_finds_their_drafts(n):
     # drafter's; not told, it reads every draft at the mix of the two (the full block for all
     # at 4 requests, nothing at 8). On the SmolLM2 profile that is worth 17-25% more tokens
     # per second, and it beats every fixed length (the profiled time; no engine).
-    told, lookup_length, drafter_length = run_mixed_sources(DraftPolicy(7, SMOLLM2_PAIR), n, True)
+    told, lookup_length, drafter_length = run_mixed_sources(
+        DraftPolicy(7, SMOLLM2_PAIR, prompt_lookup=True), n, True)
     assert lookup_length > 3 and drafter_length < 1.5
     not_told = run_mixed_sources(DraftPolicy(7, SMOLLM2_PAIR), n, False)[0]
     assert told > 1.1 * not_told
@@ -617,13 +618,15 @@ def test_a_drafting_step_pays_for_the_drafters_rows_only():
     # so: on the CPU), a drafting step is charged the pass over the others; elsewhere over all.
     skips = dataclasses.replace(SMOLLM2_PAIR, lookup_skips_drafter=True)
     for profile_, drafter_rows in ((SMOLLM2_PAIR, 8), (skips, 3)):
-        policy = DraftPolicy(7, profile_)
+        policy = DraftPolicy(7, profile_, prompt_lookup=True)
         policy.plan([f"r{i}" for i in range(8)], lookup=[i >= 3 for i in range(8)])
         expected = policy.cost.profiled(np.array(8 + 56), np.array(drafter_rows))
         assert policy._step_s(np.full(8, 7)) == pytest.approx(float(expected))
     policy.plan([f"r{i}" for i in range(8)], lookup=[True] * 8)
     assert policy._step_s(np.full(8, 7)) == pytest.approx(
         float(policy.cost.profiled(np.array(64), np.array(0))))  # no pass at all
+    with pytest.raises(ValueError, match="prompt_lookup=False"):
+        DraftPolicy(7, skips).plan(["r0"], lookup=[True])
 
 
 @pytest.mark.parametrize("n", [4, 8])
@@ -632,7 +635,7 @@ def test_lookup_drafts_pay_where_the_drafter_leaves_their_requests_out(n):
     # their drafts beat plain decoding by 15% or more (profiled time; no engine).
     skips = dataclasses.replace(SMOLLM2_PAIR, lookup_skips_drafter=True)
     plain = run_mixed_sources(None, n, False, fixed=0)[0]
-    tokens_per_s, lookup_length, _ = run_mixed_sources(DraftPolicy(7, skips), n, True)
+    tokens_per_s, lookup_length, _ = run_mixed_sources(DraftPolicy(7, skips, prompt_lookup=True), n, True)
     assert tokens_per_s > 1.15 * plain and lookup_length > 3
 
 

@@ -175,6 +175,7 @@ class DraftEveryFourthStep:
 
     def __init__(self) -> None:
         self.steps = 0
+        self.prompt_lookup = False
 
     def plan(self, req_ids: list[str], remaining: list[int] | None = None,
              lookup: list[bool] | None = None):

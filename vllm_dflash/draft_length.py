@@ -37,10 +37,9 @@ def is_seeded_sampling(request: Any) -> bool:
 class DraftLengthController:
     """The policy as the scheduler uses it, and the seeded requests it holds."""
 
-    def __init__(self, policy: DraftPolicy, max_draft: int, prompt_lookup: bool = False) -> None:
+    def __init__(self, policy: DraftPolicy, max_draft: int) -> None:
         self.policy = policy
         self.max_draft = max_draft
-        self.prompt_lookup = prompt_lookup
         self.seeded: set[str] = set()  # ids of the seeded sampling requests held
 
     def plan_step(self, running: list[Any], waiting: Collection[Any]) -> int:
@@ -53,7 +52,7 @@ class DraftLengthController:
         closed = not waiting and len(decoding) == len(running)
         remaining = [r.max_tokens - r.num_output_tokens for r in adaptive] if closed else None
         lookup = (lookup_found([r.all_token_ids for r in adaptive])
-                  if self.prompt_lookup and adaptive else None)
+                  if self.policy.prompt_lookup and adaptive else None)
         plan = self.policy.plan([r.request_id for r in adaptive], remaining, lookup)
         for request, length in zip(adaptive, plan.lengths):
             if len(request.spec_token_ids) > length:

@@ -537,8 +537,12 @@ class Plan:
 class DraftPolicy:
     """Chooses draft lengths per step; fed with what each step accepted and how long it took."""
 
-    def __init__(self, max_draft: int, profile: StepProfile) -> None:
+    def __init__(self, max_draft: int, profile: StepProfile, prompt_lookup: bool = False
+                 ) -> None:
         self.levels = np.array(draft_levels(max_draft))
+        # With prompt lookup on, plan() is told each step whose drafts lookup finds; otherwise
+        # every draft is the drafter's, and nothing is estimated for lookup's.
+        self.prompt_lookup = prompt_lookup
         self.acceptance = AcceptanceModel(max_draft)
         self.cost = StepCostModel(profile)
         self.drafting = True
@@ -566,6 +570,8 @@ class DraftPolicy:
         it finds each request's drafts (those it verifies now, and likely its next)."""
         max_draft = int(self.levels[-1])
         if lookup is not None:
+            if not self.prompt_lookup:
+                raise ValueError("lookup flags for a DraftPolicy made with prompt_lookup=False")
             self.acceptance.lookup = {r for r, found in zip(req_ids, lookup) if found}
         self.lookup_rows = (len(self.acceptance.lookup.intersection(req_ids))
                             if self.cost.profile.lookup_skips_drafter else 0)
@@ -722,7 +728,7 @@ class DraftPolicy:
         length accepts by the posterior means, their variance, and the standard error of the
         mean."""
         per_source = [self.acceptance.accepted_moments(req_ids, source)
-                      for source in range(NUM_SOURCES)]
+                      for source in range(NUM_SOURCES if self.prompt_lookup else 1)]
         return tuple([moments[i].mean(axis=0).tolist() for moments in per_source]
                      for i in range(3))
 
@@ -769,11 +775,14 @@ class DraftPolicy:
         start = self.step_start if self.last_step_end is None else self.last_step_end
         self.last_step_end = now
         lookup = self.acceptance.lookup
-        for source, part in enumerate((
-                [d for d in drafts if d[0] not in lookup], [d for d in drafts if d[0] in lookup])):
-            self.pending_drafts[source] += part
-            if self.chosen is not None:
-                self.chosen.record(part, source)
+        by_source = ((drafts, []) if not lookup else
+                     ([d for d in drafts if d[0] not in lookup],
+                      [d for d in drafts if d[0] in lookup]))
+        for source, part in enumerate(by_source):
+            if part:
+                self.pending_drafts[source] += part
+                if self.chosen is not None:
+                    self.chosen.record(part, source)
         draft_tokens = sum(verified for _, verified, _ in drafts)
         # The first step of each shape pays one-time costs later ones do not (on the CPU
         # build, oneDNN builds GEMM primitives for each new token count: 2-6 ms more on the

@@ -54,9 +54,8 @@ def patch_engine_core() -> None:
             logger.info("vllm-dflash: draft length from num_speculative_tokens_per_batch_size")
             return
         profile = self.collective_rpc(_profile_step_costs)[0]
-        policy = DraftPolicy(spec.num_speculative_tokens, profile)
-        _controllers[self.scheduler] = DraftLengthController(
-            policy, spec.num_speculative_tokens, prompt_lookup=prompt_lookup_on())
+        policy = DraftPolicy(spec.num_speculative_tokens, profile, prompt_lookup_on())
+        _controllers[self.scheduler] = DraftLengthController(policy, spec.num_speculative_tokens)
         logger.info(
             "vllm-dflash: adaptive draft length, 0..%d tokens per request and step "
             "(%s=fixed for always %d); start-up profile (ms): target at %s tokens: %s, "
